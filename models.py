@@ -1,0 +1,441 @@
+"""Ouro and Huginn, two looped LMs, read from raw safetensors and driven through three calls.
+
+    P(ids, pos)               -> (e, s0)  embed the tokens (Huginn: and run the prelude); initial state
+    R(s, e, pos, depth)       -> s        one recurrence of the weight-shared block, for rows that may
+                                          sit at different positions and different depths
+    C(s, pos)                 -> logits   read a state out (Huginn: ln_f, coda, ln_f; then lm_head)
+
+                      Ouro (Ouro-1.4B/2.6B)                  Huginn (huginn-0125)
+    P                 s0 = embed(ids); no injection          e = prelude(embed(ids) * sqrt(D)); s0 = zero/random
+    R                 s = norm(layers(s))                    s = core(adapter(concat(s, e)))
+    C                 lm_head(s)                             lm_head(ln_f(coda(ln_f(s))))
+
+A row is one token position at one depth (completed recurrences). Every recurrent layer applied at
+depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
+matmuls see a plain [rows, D] batch, and only attention cares which depth a row is at (kv.py).
+"""
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+SUPPORTED = {"ouro": "Ouro (ByteDance/Ouro-1.4B, Ouro-2.6B)", "huginn_raven": "Huginn (tomg-group-umd/huginn-0125)"}
+
+
+@dataclass
+class ModelArgs:
+    kind: str              # "ouro" or "huginn"
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int        # SwiGLU width
+    vocab_size: int
+    n_prelude: int         # Huginn only; 0 for Ouro
+    n_core: int            # the looped layers
+    n_coda: int            # Huginn only; 0 for Ouro
+    num_steps: int         # default full depth T
+    rope_theta: float
+    norm_eps: float
+    max_seq_len: int       # length of the RoPE table: the model's context
+    tie_embeddings: bool
+    qk_bias: bool          # Huginn: learned bias on q and k, added before RoPE
+    init_std: float = 0.0  # Huginn: sigma of the "like-init" random initial state
+
+    @staticmethod
+    def from_config(c: dict) -> "ModelArgs":
+        model_type = c.get("model_type")
+        if model_type == "ouro":
+            heads = c["num_attention_heads"]
+            return ModelArgs(
+                kind="ouro", dim=c["hidden_size"], n_heads=heads,
+                n_kv_heads=c.get("num_key_value_heads") or heads,
+                head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                hidden_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
+                n_prelude=0, n_core=c["num_hidden_layers"], n_coda=0,
+                num_steps=c.get("total_ut_steps", 4), rope_theta=float(c.get("rope_theta", 1e6)),
+                norm_eps=c.get("rms_norm_eps", 1e-6), max_seq_len=c["max_position_embeddings"],
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_bias=False)
+        if model_type == "huginn_raven":
+            dim, heads = c["n_embd"], c["n_heads"]
+            return ModelArgs(
+                kind="huginn", dim=dim, n_heads=heads, n_kv_heads=heads,  # plain MHA, forced by the config class
+                head_dim=dim // heads, hidden_dim=c["intermediate_size"],
+                vocab_size=c.get("padded_vocab_size") or c["vocab_size"],
+                n_prelude=c["n_layers_in_prelude"], n_core=c["n_layers_in_recurrent_block"],
+                n_coda=c["n_layers_in_coda"], num_steps=c.get("mean_recurrence", 32),
+                rope_theta=float(c.get("rope_base", 50000.0)), norm_eps=c.get("norm_eps", 1e-6),
+                max_seq_len=c["block_size"], tie_embeddings=bool(c.get("tie_embeddings", True)),
+                qk_bias=bool(c.get("qk_bias", True)),
+                init_std=(c.get("init_values") or {}).get("std", math.sqrt(2 / (5 * dim))))
+        raise ValueError(f"unknown model_type {model_type!r} in config.json; supported: "
+                         + ", ".join(f"{k!r} ({v})" for k, v in SUPPORTED.items()))
+
+
+def rope_table(a: ModelArgs):
+    """cos, sin [max_seq_len, head_dim/2], computed in fp32 as both references do."""
+    inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim)
+    angles = torch.outer(torch.arange(a.max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rms_norm(x, weight, eps):
+    # statistics in at least fp32, cast back to the input dtype *before* the weight (both references)
+    xf = x.float() if x.element_size() < 4 else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def apply_rope(x, cos, sin, interleaved):
+    """x [N, heads, hd]; cos, sin [N, hd/2]. Huginn rotates adjacent pairs, Ouro the two halves."""
+    xf = x.float() if x.element_size() < 4 else x
+    cos, sin = cos[:, None].to(xf.dtype), sin[:, None].to(xf.dtype)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def causal_attention(q, k, v):
+    """Attention within one call over consecutive positions, no cache (full forward, training)."""
+    y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, enable_gqa=True)
+    return y.transpose(0, 1)
+
+
+class Block(nn.Module):
+    """One transformer layer with four RMSNorms. The two families place the outer two differently:
+    Ouro normalises each sub-block's output before the residual add (x + norm(f(x))), Huginn
+    normalises the residual stream after it (norm(f(x) + x))."""
+
+    def __init__(self, a: ModelArgs, layer_id: int):
+        super().__init__()
+        self.a, self.layer_id = a, layer_id  # layer_id addresses this layer's KV slots in kv.py
+        self.qkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, a.n_heads, a.head_dim)) if a.qk_bias else None
+        self.proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.fc = nn.Linear(a.dim, 2 * a.hidden_dim, bias=False)  # [gate; up]
+        self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
+        self.norm1, self.norm2, self.norm3, self.norm4 = (nn.Parameter(torch.ones(a.dim)) for _ in range(4))
+
+    def forward(self, x, cos, sin, attend):
+        a, eps = self.a, self.a.norm_eps
+        q, k, v = self.qkv(rms_norm(x, self.norm1, eps)).split(
+            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
+        q, k, v = (t.view(len(x), -1, a.head_dim) for t in (q, k, v))
+        if self.qk_bias is not None:
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        interleaved = a.kind == "huginn"
+        q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
+        h = self.proj(attend(q, k, v).reshape(len(x), -1))
+        x = rms_norm(h + x, self.norm2, eps) if a.kind == "huginn" else x + rms_norm(h, self.norm2, eps)
+        gate, up = self.fc(rms_norm(x, self.norm3, eps)).chunk(2, dim=-1)
+        h = self.down(F.silu(gate) * up)
+        return rms_norm(h + x, self.norm4, eps) if a.kind == "huginn" else x + rms_norm(h, self.norm4, eps)
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, a: ModelArgs, config: dict = None, state_init="random", seed=0):
+        super().__init__()
+        if state_init not in ("random", "zero"):
+            raise ValueError(f"state_init must be 'random' or 'zero', not {state_init!r}")
+        self.args, self.config = a, config or {}
+        self.kind, self.num_steps = a.kind, a.num_steps
+        self.state_init, self.seed = state_init, seed
+        self.tokenizer = None
+        self.embed = nn.Embedding(a.vocab_size, a.dim)
+        # KV layer ids: the looped layers first (one slot per depth each), then prelude and coda
+        self.core = nn.ModuleList(Block(a, j) for j in range(a.n_core))
+        self.prelude = nn.ModuleList(Block(a, a.n_core + i) for i in range(a.n_prelude))
+        self.coda = nn.ModuleList(Block(a, a.n_core + a.n_prelude + i) for i in range(a.n_coda))
+        self.adapter = nn.Linear(2 * a.dim, a.dim, bias=False) if a.kind == "huginn" else None
+        self.norm = nn.Parameter(torch.ones(a.dim))  # Ouro: model.norm after every step; Huginn: ln_f
+        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        if a.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_table(a)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self):
+        return self.embed.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed.weight.dtype
+
+    # -- the three calls --------------------------------------------------------------------------
+    # pos: int64 positions of the rows (a CPU tensor: its max is read without a device sync);
+    # cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
+
+    def P(self, ids, pos, cache=None):
+        x = self.embed(ids.to(self.device))
+        if self.kind == "ouro":
+            return None, x
+        x = x * math.sqrt(self.args.dim)
+        e = self._layers(self.prelude, x, pos, None, cache)
+        return e, self.initial_state(pos)
+
+    def R(self, s, e, pos, depth, cache=None):
+        """One recurrence for every row. depth: an int (all rows alike) or an int64 tensor, per row."""
+        if self.kind == "huginn":
+            s = self.adapter(torch.cat([s, e], dim=-1))
+            return self._layers(self.core, s, pos, depth, cache)
+        return rms_norm(self._layers(self.core, s, pos, depth, cache), self.norm, self.args.norm_eps)
+
+    def C(self, s, pos, cache=None, rows=None):
+        """Logits (float32) for `rows` of the batch (default all). Huginn's coda runs on every row,
+        since it writes coda KV that later positions read."""
+        if self.kind == "huginn":
+            eps = self.args.norm_eps
+            s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, None, cache), self.norm, eps)
+        return self.lm_head(s if rows is None else s[rows]).float()
+
+    def _layers(self, blocks, x, pos, depth, cache):
+        p = pos.to(self.device)
+        cos, sin = self.rope_cos[p], self.rope_sin[p]
+        for blk in blocks:
+            attend = causal_attention if cache is None else (
+                lambda q, k, v, layer=blk.layer_id: cache.attend(layer, depth, pos, q, k, v))
+            x = blk(x, cos, sin, attend)
+        return x
+
+    def initial_state(self, pos):
+        """Huginn's s0. "random" draws the like-init distribution (truncated normal at +-3 sigma,
+        times sqrt(D)) from a generator seeded by (seed, position), so a position gets the same s0
+        however often and by whichever schedule it is computed."""
+        a = self.args
+        if self.state_init == "zero":
+            return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
+        rows = []
+        for p in pos.tolist():
+            key = hashlib.blake2b(f"{self.seed},{p}".encode(), digest_size=4).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(key, "little"))  # CPU generators keep 32 bits
+            rows.append(nn.init.trunc_normal_(torch.empty(a.dim), std=a.init_std, a=-3 * a.init_std,
+                                              b=3 * a.init_std, generator=g))
+        return (torch.stack(rows) * math.sqrt(a.dim)).to(self.device, self.dtype)
+
+    # -- full-sequence forward --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, ids, num_steps=None, state=None):
+        """Logits [T, V] (float32) after `num_steps` recurrences over the whole sequence, no cache.
+        Huginn starts from the model's initial state, or from `state` [T, D] when given."""
+        ids = torch.as_tensor(ids).reshape(-1)
+        pos = torch.arange(len(ids))
+        self.check_positions(len(ids))
+        e, s = self.P(ids, pos)
+        if state is not None:
+            if self.kind != "huginn":
+                raise ValueError("an explicit initial state is only defined for Huginn")
+            state = torch.as_tensor(state).reshape(-1, self.args.dim) if state.numel() else state
+            if tuple(state.shape) != (len(ids), self.args.dim):
+                raise ValueError(f"state has shape {tuple(state.shape)}, expected {(len(ids), self.args.dim)}")
+            s = state.to(self.device, self.dtype)
+        for d in range(self.num_steps if num_steps is None else num_steps):
+            s = self.R(s, e, pos, d)
+        return self.C(s, pos)
+
+    def check_positions(self, n):
+        if n > self.args.max_seq_len:
+            raise ValueError(f"{n} positions exceed the model's context of {self.args.max_seq_len}")
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+def checkpoint_layout(a: ModelArgs):
+    """Our parameter name -> [(checkpoint key, rows)]: fused parameters are concatenations of
+    several checkpoint tensors along dim 0. Also returns the checkpoint keys we read but do not use."""
+    qkv = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+    layout = {}
+    if a.kind == "ouro":
+        for i in range(a.n_core):
+            src, dst = f"model.layers.{i}.", f"core.{i}."
+            layout[dst + "qkv.weight"] = [(src + f"self_attn.{n}_proj.weight", r) for n, r in zip("qkv", qkv)]
+            layout[dst + "proj.weight"] = [(src + "self_attn.o_proj.weight", None)]
+            layout[dst + "fc.weight"] = [(src + "mlp.gate_proj.weight", a.hidden_dim),
+                                         (src + "mlp.up_proj.weight", a.hidden_dim)]
+            layout[dst + "down.weight"] = [(src + "mlp.down_proj.weight", None)]
+            for n, name in zip("1234", ["input_layernorm", "input_layernorm_2",  # pre-attn, attn output
+                                        "post_attention_layernorm", "post_attention_layernorm_2"]):  # pre-MLP, MLP output
+                layout[dst + "norm" + n] = [(src + name + ".weight", None)]
+        layout["embed.weight"] = [("model.embed_tokens.weight", None)]
+        layout["norm"] = [("model.norm.weight", None)]
+        unused = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}  # always full depth
+    else:
+        for group, src_group in (("prelude", "prelude"), ("core", "core_block"), ("coda", "coda")):
+            for i in range(len(getattr_layers(a, group))):
+                src, dst = f"transformer.{src_group}.{i}.", f"{group}.{i}."
+                layout[dst + "qkv.weight"] = [(src + "attn.Wqkv.weight", None)]
+                layout[dst + "proj.weight"] = [(src + "attn.proj.weight", None)]
+                layout[dst + "fc.weight"] = [(src + "mlp.fc.weight", None)]
+                layout[dst + "down.weight"] = [(src + "mlp.proj.weight", None)]
+                if a.qk_bias:
+                    layout[dst + "qk_bias"] = [(src + "attn.qk_bias", None)]
+                for n in "1234":
+                    layout[dst + "norm" + n] = [(src + f"norm_{n}.weight", None)]
+        layout["embed.weight"] = [("transformer.wte.weight", None)]
+        layout["adapter.weight"] = [("transformer.adapter.weight", None)]
+        layout["norm"] = [("transformer.ln_f.weight", None)]
+        # the hub stores the tied head a second time, and its RoPE table (read separately below)
+        unused = {"lm_head.weight"} if a.tie_embeddings else set()
+    if not a.tie_embeddings:
+        layout["lm_head.weight"] = [("lm_head.weight", None)]
+    return layout, unused
+
+
+def getattr_layers(a: ModelArgs, group):
+    return range({"prelude": a.n_prelude, "core": a.n_core, "coda": a.n_coda}[group])
+
+
+def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="random", seed=0, init_seed=None):
+    """A model of this config. With init_seed, random weights (for tests and timing at real sizes);
+    without, uninitialised memory that load() fills."""
+    a = ModelArgs.from_config(config)
+    with torch.device("meta"):
+        model = LoopedLM(a, config, state_init, seed)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(a))  # fp32 whatever the dtype
+    if a.tie_embeddings:  # to_empty() gives every parameter its own storage
+        model.lm_head.weight = model.embed.weight
+    if init_seed is not None:
+        g = torch.Generator().manual_seed(init_seed)
+        for name, p in model.named_parameters():
+            if name.endswith(("norm", "norm1", "norm2", "norm3", "norm4")):
+                w = 1 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5)
+            elif name.endswith("qk_bias"):
+                w = 0.3 * torch.randn(p.shape, generator=g)
+            else:
+                w = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
+            p.data.copy_(w)
+    return model.eval().requires_grad_(False)
+
+
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "generation_config.json"]
+
+
+def resolve(source):
+    """A local folder, or a hub id fetched with huggingface_hub (config, weights, tokenizer only)."""
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source):
+        raise FileNotFoundError(f"{source!r} is not a model folder (one holding config.json and "
+                                "*.safetensors) or a Hugging Face hub id")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(source, allow_patterns=HUB_FILES)
+    except Exception as err:
+        raise RuntimeError(
+            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}). "
+            "The hub is unreachable from here or the id is wrong; download the model on a machine "
+            "that can reach it and pass its local folder instead") from err
+
+
+def load(source, device="cpu", dtype=None, state_init="random", seed=0):
+    """Load an Ouro or Huginn checkpoint from a folder or hub id, tensor by tensor (a 3.5B model is
+    never in memory twice). dtype defaults to the checkpoint's."""
+    folder = resolve(source)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(config_path) as f:
+        config = json.load(f)
+    a = ModelArgs.from_config(config)
+    files = _weight_files(folder)
+    key_file = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            key_file.update((k, path) for k in f.keys())
+    if dtype is None:
+        embed_key = "model.embed_tokens.weight" if a.kind == "ouro" else "transformer.wte.weight"
+        dtype = _read(key_file, embed_key).dtype if embed_key in key_file else torch.float32
+    model = from_config(config, device, dtype, state_init, seed)
+    layout, unused = checkpoint_layout(a)
+    expected = {k for parts in layout.values() for k, _ in parts} | unused | (
+        {"freqs_cis"} if a.kind == "huginn" else set())
+    missing = sorted(expected - unused - key_file.keys())
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks tensor {missing[0]!r}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = sorted(key_file.keys() - expected)
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {config['model_type']} "
+                         f"model of this config" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    params = dict(model.named_parameters())
+    for name, parts in layout.items():
+        p, row = params[name], 0
+        for key, rows in parts:
+            want = (rows or p.shape[0],) + tuple(p.shape[1:])
+            t = _read(key_file, key)
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {want}")
+            p.data[row:row + want[0]].copy_(t)
+            row += want[0]
+    if a.kind == "huginn":  # the stored RoPE table is what the reference uses: cos [..., 0], sin [..., 1]
+        t = _read(key_file, "freqs_cis")
+        want = (1, a.max_seq_len, 1, a.head_dim // 2, 2)
+        if tuple(t.shape) != want:
+            raise ValueError(f"tensor 'freqs_cis' has shape {tuple(t.shape)}, expected {want}")
+        model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(device) for i in (0, 1))
+    tok_path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(tok_path):
+        from tokenizers import Tokenizer
+        model.tokenizer = Tokenizer.from_file(tok_path)
+    return model
+
+
+def _weight_files(folder):
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    paths = [os.path.join(folder, n) for n in names]
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weight file {path} named by the index is missing")
+    return paths
+
+
+def _read(key_file, key):
+    with safe_open(key_file[key], "pt") as f:
+        return f.get_tensor(key)
+
+
+def save(model: LoopedLM, folder):
+    """Write config.json and model.safetensors in the official layout (what load() reads)."""
+    os.makedirs(folder, exist_ok=True)
+    layout, _ = checkpoint_layout(model.args)
+    params, tensors = dict(model.named_parameters()), {}
+    for name, parts in layout.items():
+        p, row = params[name].detach(), 0
+        for key, rows in parts:
+            tensors[key] = p[row:row + (rows or p.shape[0])].contiguous().cpu()
+            row += rows or p.shape[0]
+    if model.kind == "ouro":  # the official code requires the (unused) exit gate
+        tensors["model.early_exit_gate.weight"] = torch.zeros(1, model.args.dim, dtype=model.dtype)
+        tensors["model.early_exit_gate.bias"] = torch.zeros(1, dtype=model.dtype)
+    else:
+        tensors["freqs_cis"] = torch.stack([model.rope_cos, model.rope_sin], -1)[None, :, None]
+        if model.args.tie_embeddings:
+            tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(model.config, f, indent=2)

@@ -1,0 +1,389 @@
+"""Tests: parity with the official implementations (golden checkpoints in testdata/, computed by the
+official code, see testdata/README.md), and every decoding schedule token-exact against greedy AR."""
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import models
+import wfd
+from kv import KVCache
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = {name: os.path.join(HERE, "testdata", name) for name in ("huginn_A", "ouro_A")}
+
+
+def golden(name):
+    with open(os.path.join(GOLDEN[name], "golden.json")) as f:
+        meta = json.load(f)
+    return meta, load_file(os.path.join(GOLDEN[name], "golden.safetensors"))
+
+
+def close(a, b, atol, rtol=1e-4):
+    return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def cached_greedy(model, prompt, n_new, num_steps):
+    """Greedy decode through the KV cache by hand (P, R x T, C per token): the logits that chose
+    each token, for comparison with the official cached generation."""
+    cache = KVCache(model, len(prompt) + n_new, num_steps)
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    out_logits, tokens = [], []
+    for _ in range(n_new):
+        e, s = model.P(ids, pos, cache)
+        for d in range(num_steps):
+            s = model.R(s, e, pos, d, cache)
+        logits = model.C(s, pos, cache)[-1]
+        out_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+        ids, pos = torch.tensor(tokens[-1:]), pos[-1:] + 1
+    return tokens, torch.stack(out_logits)
+
+
+# -- Huginn parity ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def huginn():
+    return models.load(GOLDEN["huginn_A"], state_init="zero")
+
+
+@pytest.fixture(scope="module")
+def ouro():
+    return models.load(GOLDEN["ouro_A"])
+
+
+def huginn_states(model, ids, steps, s0=None):
+    """Per-recurrence (adapter output, raw state) through the P / R calls, without cache."""
+    pos = torch.arange(len(ids))
+    e, s = model.P(torch.tensor(ids), pos)
+    s = s if s0 is None else s0
+    adapters, states = [], []
+    for d in range(steps):
+        adapters.append(model.adapter(torch.cat([s, e], -1)))
+        s = model.R(s, e, pos, d)
+        states.append(s)
+    return e, torch.stack(adapters), torch.stack(states)
+
+
+def test_huginn_forward_matches_golden(huginn):
+    meta, g = golden("huginn_A")
+    ids, tol = meta["prompt_ids"], dict(atol=2e-4)
+    assert close(huginn.embed(torch.tensor(ids)) * huginn.args.dim ** 0.5, g["embed_scaled"], **tol)
+    e, adapters, states = huginn_states(huginn, ids, 8)
+    assert close(e, g["prelude_out"], **tol)
+    assert close(adapters, g["adapter_out_per_step_steps8"], **tol)
+    assert close(states, g["core_state_per_step_steps8"], **tol)
+    for k in (1, 2, 4, 8):
+        assert close(models.rms_norm(states[k - 1], huginn.norm, 1e-6), g[f"latent_zero_init_steps{k}"], **tol)
+    for k in (0, 1, 2, 4, 8):
+        assert close(huginn.logits(ids, num_steps=k), g[f"logits_zero_init_steps{k}"], **tol), k
+    assert close(huginn.logits(torch.tensor([ids])), g["logits_zero_init_default_steps"], **tol)
+    pos = torch.arange(len(ids))
+    coda = huginn._layers(huginn.coda, models.rms_norm(states[-1], huginn.norm, 1e-6), pos, None, None)
+    assert close(coda, g["coda_out_steps8"], **tol)
+    assert close(models.rms_norm(coda, huginn.norm, 1e-6), g["final_hidden_steps8"], **tol)
+
+
+def test_huginn_explicit_random_state_matches_golden(huginn):
+    meta, g = golden("huginn_A")
+    s0 = g["random_init_state"]
+    for k in (4, 8):
+        assert close(huginn.logits(meta["prompt_ids"], num_steps=k, state=s0), g[f"logits_random_init_steps{k}"], atol=2e-4)
+    _, _, states = huginn_states(huginn, meta["prompt_ids"], 8, s0)
+    assert close(states, g["core_state_per_step_random_init_steps8"], atol=2e-4)
+
+
+def test_huginn_generation_matches_golden(huginn):
+    meta, g = golden("huginn_A")
+    ids, want = meta["prompt_ids"], g["tokens_generated"].tolist()
+    tokens, logits = cached_greedy(huginn, ids, 24, 8)
+    assert tokens == want
+    assert close(logits, g["gen_logits_cached_steps8"], atol=1e-3)
+    nocache = torch.stack([huginn.logits(ids + want[:i], num_steps=8)[-1] for i in range(24)])
+    assert nocache.argmax(-1).tolist() == want
+    assert close(nocache, g["gen_logits_nocache_steps8"], atol=1e-3)
+    assert wfd.generate(huginn, ids, 24, method="ar", num_steps=8).tokens == want
+
+
+def test_huginn_random_initial_state_is_seeded_by_position():
+    m = models.load(GOLDEN["huginn_A"], state_init="random", seed=3)
+    a, b = m.initial_state(torch.tensor([5, 6, 7])), m.initial_state(torch.tensor([7]))
+    assert torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
+    assert a.abs().max() <= 3 * m.args.init_std * m.args.dim ** 0.5 + 1e-6
+    other = models.load(GOLDEN["huginn_A"], state_init="random", seed=4).initial_state(torch.tensor([7]))
+    assert not torch.equal(other, b)
+    # the tied head: the stored duplicate equals wte, and the model uses one matrix for both
+    assert m.lm_head.weight is m.embed.weight
+
+
+# -- Ouro parity -----------------------------------------------------------------------------------
+
+def test_ouro_forward_matches_golden(ouro):
+    meta, g = golden("ouro_A")
+    ids, tol = meta["prompt_ids"], dict(atol=1e-4)
+    pos = torch.arange(len(ids))
+    _, h = ouro.P(torch.tensor(ids), pos)
+    layer0 = ouro.core[0](h, ouro.rope_cos[pos], ouro.rope_sin[pos], models.causal_attention)
+    assert close(layer0, g["layer0_step1_out"], **tol)
+    for t in range(4):
+        h = ouro.R(h, None, pos, t)
+        assert close(h, g["step_hidden"][t], **tol), t
+        assert close(ouro.C(h, pos), g["step_logits"][t], **tol), t
+    assert close(ouro.logits(ids), g["default_logits"], **tol)
+
+
+def test_ouro_generation_matches_golden(ouro):
+    meta, g = golden("ouro_A")
+    ids, want = meta["prompt_ids"], g["gen_cached_tokens"].tolist()
+    tokens, logits = cached_greedy(ouro, ids, 24, 4)
+    assert tokens == want == g["gen_nocache_tokens"].tolist()
+    assert close(logits, g["gen_cached_logits"], atol=1e-4)
+    nocache = torch.stack([ouro.logits(ids + want[:i])[-1] for i in range(24)])
+    assert close(nocache, g["gen_nocache_logits"], atol=1e-4)
+    assert wfd.generate(ouro, ids, 24, method="ar").tokens == want
+
+
+# The goldens must catch the classic mistakes: each variant below is wrong, and must fail.
+
+COMMON = ["rope layout", "norm placement", "final norm", "untied head"]
+
+
+@pytest.mark.parametrize("name,mutation", [("ouro_A", m) for m in COMMON + ["norm eps"]] +
+                         [("huginn_A", m) for m in COMMON + ["adapter", "qk_bias", "no embed scale"]])
+def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
+    model = models.load(GOLDEN[name], state_init="zero")
+    if mutation == "rope layout":
+        rope = models.apply_rope
+        monkeypatch.setattr(models, "apply_rope", lambda x, c, s, inter: rope(x, c, s, not inter))
+    elif mutation == "norm eps":  # Ouro only: it moves Huginn's logits less than their 2e-4 tolerance
+        model.args.norm_eps = 1e-5
+    elif mutation == "norm placement":  # post-residual norms where the other family puts them
+        model.args.kind = "ouro" if name == "huginn_A" else "huginn"
+        model.kind = name.split("_")[0]
+    elif mutation == "final norm":  # Ouro's model.norm / Huginn's ln_f skipped
+        norm = models.rms_norm
+        monkeypatch.setattr(models, "rms_norm", lambda x, w, eps: x if w is model.norm else norm(x, w, eps))
+    elif mutation == "adapter":  # concat(e, s) instead of concat(s, e)
+        w = model.adapter.weight
+        w.data = torch.cat([w[:, w.shape[1] // 2:], w[:, :w.shape[1] // 2]], 1)
+    elif mutation == "qk_bias":
+        for blk in list(model.prelude) + list(model.core) + list(model.coda):
+            blk.qk_bias.data.zero_()
+    elif mutation == "untied head":
+        model.lm_head.weight = torch.nn.Parameter(model.embed.weight.roll(1, 0)
+                                                  if name == "huginn_A" else model.embed.weight.clone())
+    elif mutation == "no embed scale":
+        monkeypatch.setattr(models.math, "sqrt", lambda x: 1.0)
+    meta, g = golden(name)
+    if name == "huginn_A":
+        got = model.logits(meta["prompt_ids"], num_steps=8, state=g["random_init_state"])
+        assert not close(got, g["logits_random_init_steps8"], atol=2e-4)
+    else:
+        assert not close(model.logits(meta["prompt_ids"]), g["default_logits"], atol=1e-4)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def test_sharded_bf16_checkpoint_loads(tmp_path, ouro):
+    meta, g = golden("ouro_A")
+    tensors = load_file(os.path.join(GOLDEN["ouro_A"], "model.safetensors"))
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for fname, ks in shards.items():
+        save_file({k: tensors[k].to(torch.bfloat16) for k in ks}, tmp_path / fname)
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {k: fname for fname, ks in shards.items() for k in ks}}, f)
+    with open(os.path.join(GOLDEN["ouro_A"], "config.json")) as f:
+        (tmp_path / "config.json").write_text(f.read())
+    m = models.load(str(tmp_path))
+    assert m.dtype == torch.bfloat16
+    assert (m.logits(meta["prompt_ids"]) - g["default_logits"]).abs().max() < 0.5  # bf16 rounding only
+    m32 = models.load(str(tmp_path), dtype=torch.float32)
+    assert m32.dtype == torch.float32
+
+
+def broken_copy(tmp_path, name, edit_config=None, edit_tensors=None):
+    src = GOLDEN[name]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    if edit_config:
+        edit_config(config)
+    if edit_tensors:
+        edit_tensors(tensors)
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, tmp_path / "model.safetensors")
+    return str(tmp_path)
+
+
+def test_load_errors_name_the_problem(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="unknown model_type 'llama'.*'ouro'.*'huginn_raven'"):
+        models.load(broken_copy(tmp_path / "a", "ouro_A", edit_config=lambda c: c.update(model_type="llama")))
+    with pytest.raises(ValueError, match="lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
+        models.load(broken_copy(tmp_path / "b", "ouro_A", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.mlp.up_proj.weight'"):
+        models.load(broken_copy(tmp_path / "c", "ouro_A", edit_tensors=lambda t: t.update(
+            {"model.layers.2.mlp.up_proj.weight": torch.zeros(1)})))
+    with pytest.raises(ValueError, match=r"'transformer.adapter.weight' has shape \(64, 64\), expected \(64, 128\)"):
+        models.load(broken_copy(tmp_path / "d", "huginn_A", edit_tensors=lambda t: t.update(
+            {"transformer.adapter.weight": torch.zeros(64, 64)})))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape"):
+        models.load(broken_copy(tmp_path / "e", "ouro_A", edit_config=lambda c: c.update(num_key_value_heads=4)))
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        models.load(str(tmp_path / "no" / "such" / "folder"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        models.load(str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match="hub is unreachable.*local folder"):
+        models.load("ByteDance/Ouro-2.6B")
+
+
+def test_save_roundtrip(tmp_path, huginn, ouro):
+    for m in (huginn, ouro):
+        models.save(m, tmp_path / m.kind)
+        again = models.load(str(tmp_path / m.kind), state_init="zero")
+        ids = [3, 1, 4, 1, 5]
+        assert torch.equal(again.logits(ids), m.logits(ids))
+
+
+# -- decoding: every schedule equals greedy AR -----------------------------------------------------
+
+def tiny_config(kind, seed):
+    """A random small config of either family, in the official config.json format."""
+    rng = random.Random(seed)
+    heads = rng.choice([2, 4])
+    if kind == "ouro":
+        return dict(model_type="ouro", hidden_size=32, num_attention_heads=heads,
+                    num_key_value_heads=rng.choice([1, heads]), head_dim=8, intermediate_size=48,
+                    vocab_size=rng.choice([37, 64]), num_hidden_layers=rng.choice([1, 2]),
+                    total_ut_steps=rng.choice([3, 4, 6]), rope_theta=10000.0, rms_norm_eps=1e-6,
+                    max_position_embeddings=96, tie_word_embeddings=False)
+    return dict(model_type="huginn_raven", n_embd=32, n_heads=heads, intermediate_size=48,
+                vocab_size=64, padded_vocab_size=64, n_layers_in_prelude=1,
+                n_layers_in_recurrent_block=rng.choice([1, 2]), n_layers_in_coda=1,
+                mean_recurrence=rng.choice([4, 5, 8]), rope_base=50000.0, norm_eps=1e-6,
+                block_size=96, qk_bias=True, tie_embeddings=True)
+
+
+def tiny_model(kind, seed, dtype=torch.float64):
+    return models.from_config(tiny_config(kind, seed), dtype=dtype, state_init="random", seed=seed, init_seed=seed)
+
+
+CASES = [(kind, seed) for kind in ("ouro", "huginn") for seed in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("kind,seed", CASES)
+def test_wfd_and_dtv_equal_ar_at_every_draft_depth(kind, seed):
+    model = tiny_model(kind, seed)
+    T = model.num_steps
+    rng = random.Random(seed)
+    for n_prompt, n_new in [(1, 1), (1, 2), (rng.randint(2, 9), 30)]:
+        prompt = [rng.randrange(model.args.vocab_size) for _ in range(n_prompt)]
+        ar = wfd.generate(model, prompt, n_new, method="ar")
+        assert len(ar.tokens) == n_new and ar.stats["r_calls"] == T * n_new
+        for k in range(1, T + 1):
+            for method in ("wfd", "dtv"):
+                out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_len=1 + k % 3)
+                assert out.tokens == ar.tokens, (method, k, n_prompt)
+
+
+def ar_reference(model, prompt, n_new):
+    """AR's tokens, and a lookup of AR's token at an absolute position."""
+    ref = wfd.generate(model, prompt, n_new, method="ar").tokens
+    return ref, lambda pos: ref[pos - len(prompt)]
+
+
+@pytest.mark.parametrize("kind,seed", CASES[::2])
+def test_forced_wrong_drafts_still_give_ar(kind, seed):
+    model = tiny_model(kind, seed)
+    prompt, n_new = [1, 2, 3, 4], 25
+    ref, at = ar_reference(model, prompt, n_new)
+    V, T = model.args.vocab_size, model.num_steps
+    for k in range(1, T):
+        every = lambda pos, tok: (at(pos) + 1) % V                      # every draft wrong
+        some = lambda pos, tok: (at(pos) + 1) % V if pos % 3 == 0 else at(pos)  # wrong at chosen positions
+        for method in ("wfd", "dtv"):
+            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_hook=every)
+            assert out.tokens == ref and out.stats["accepted"] == 0 and out.stats["rejected"] > 0
+            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_hook=some)
+            assert out.tokens == ref and out.stats["accepted"] > 0 and out.stats["rejected"] > 0
+            wrong = sum(1 for p in range(len(prompt) + 1, len(prompt) + n_new) if p % 3 == 0)
+            if method == "wfd":  # every wrong draft is verified and caught
+                assert out.stats["rejected"] == wrong
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+def test_r_calls_match_the_schedule_at_both_extremes(kind):
+    model = tiny_model(kind, 5)
+    prompt, M = [7, 8, 9], 20
+    ref, at = ar_reference(model, prompt, M)
+    V, T = model.args.vocab_size, model.num_steps
+    for k in range(1, T + 1):
+        right = wfd.generate(model, prompt, M, draft_steps=k, draft_hook=lambda pos, tok: at(pos))
+        # prefill T; the first decoded token after T ticks, then one every k ticks
+        assert right.tokens == ref and right.stats["r_calls"] == T + T + (M - 2) * k
+        assert right.stats["acceptance"] == 1.0 or k == T
+        wrong = wfd.generate(model, prompt, M, draft_steps=k, draft_hook=lambda pos, tok: (at(pos) + 1) % V)
+        # every draft rejected: a restart per token, T ticks each, as AR
+        assert wrong.tokens == ref and wrong.stats["r_calls"] == T * M
+    ar = wfd.generate(model, prompt, M, method="ar")
+    full = wfd.generate(model, prompt, M, draft_steps=T)  # draft depth T is AR
+    assert full.tokens == ar.tokens and full.stats["r_calls"] == ar.stats["r_calls"] == T * M
+
+
+@pytest.mark.parametrize("kind,seed", CASES[1::2])
+def test_eos_in_the_middle_of_a_wave(kind, seed):
+    model = tiny_model(kind, seed)
+    prompt = [5, 6, 7]
+    ref, at = ar_reference(model, prompt, 30)
+    for i in (0, 1, 7, 15):
+        eos = ref[i]
+        stop = ref.index(eos)  # AR stops at the first occurrence
+        for k in range(1, model.num_steps + 1):
+            for method, hook in (("wfd", None), ("wfd", lambda pos, tok: at(pos)), ("dtv", lambda pos, tok: at(pos))):
+                out = wfd.generate(model, prompt, 30, method=method, draft_steps=k, eos_token_id=eos, draft_hook=hook)
+                assert out.tokens == ref[:stop + 1], (method, k, i)
+        assert wfd.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens == ref[:stop + 1]
+
+
+@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4)])
+def test_float32_goldens_every_method_and_depth(name, steps, huginn, ouro):
+    model = huginn if name == "huginn_A" else ouro
+    meta, g = golden(name)
+    want = (g["tokens_generated"] if name == "huginn_A" else g["gen_cached_tokens"]).tolist()
+    ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps)
+    if steps == 8 or name == "ouro_A":
+        assert ar.tokens == want
+    for k in range(1, steps + 1):
+        for method in ("wfd", "dtv"):
+            out = wfd.generate(model, meta["prompt_ids"], 24, method=method, num_steps=steps, draft_steps=k)
+            assert out.tokens == ar.tokens, (method, k)
+
+
+def test_bad_input_gives_clear_errors(ouro):
+    with pytest.raises(ValueError, match=r"draft depth 0 is out of range: it must be in 1\.\.4"):
+        wfd.generate(ouro, [1, 2], 5, draft_steps=0)
+    with pytest.raises(ValueError, match=r"draft depth 5 is out of range"):
+        wfd.generate(ouro, [1, 2], 5, method="dtv", draft_steps=5)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        wfd.generate(ouro, [1, 2], 0)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        wfd.generate(ouro, [], 5)
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        wfd.generate(ouro, [1] * 200, 57)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        wfd.generate(ouro, [1, 128], 5)
+    with pytest.raises(ValueError, match="method must be"):
+        wfd.generate(ouro, [1], 5, method="beam")
+    with pytest.raises(ValueError, match=r"state has shape \(3, 64\), expected \(2, 64\)"):
+        models.load(GOLDEN["huginn_A"]).logits([1, 2], state=torch.zeros(3, 64))
+    cache = KVCache(ouro, capacity=4)
+    with pytest.raises(IndexError, match="position 4 is past the KV cache's capacity of 4"):
+        ouro.R(torch.zeros(1, 64), None, torch.tensor([4]), 0, cache)

@@ -1,0 +1,221 @@
+"""Greedy decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD).
+
+All three produce greedy AR's tokens. They differ in how they schedule rows, a row being one token
+position at one depth, through the model's three calls P (start a row), R (advance rows by one
+recurrence) and C (read a token out of a row). See ../README.md, "The method in the code".
+"""
+import time
+from dataclasses import dataclass, field
+from math import ceil
+from typing import Callable, Optional
+
+import torch
+
+from kv import KVCache
+
+
+@dataclass
+class Row:
+    pos: int                 # the position this row computes (its token sits there)
+    token: int
+    depth: int               # completed recurrences
+    s: torch.Tensor          # state [1, D]
+    e: Optional[torch.Tensor]  # Huginn's injection [1, D]; None for Ouro
+
+
+@dataclass
+class Generation:
+    tokens: list             # new tokens, the one from the prefill first, EOS included when hit
+    stats: dict = field(default_factory=dict)
+
+
+class Decoder:
+    """One generation in flight: the model, its cache, the committed tokens and the counters.
+    Every schedule is written in terms of start / advance / read / commit."""
+
+    def __init__(self, model, prompt, max_new_tokens, num_steps, eos_token_id, draft_hook, on_token, trace):
+        self.model, self.prompt, self.num_steps = model, prompt, num_steps
+        self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
+        self.on_token, self.trace = on_token, trace
+        # the last token is never fed back, so the cache holds positions up to the one before it
+        self.last_pos = len(prompt) + max_new_tokens - 2
+        self.cache = KVCache(model, capacity=self.last_pos + 1, num_steps=num_steps)
+        self.tokens = []
+        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
+
+    def start(self, pos, token):
+        """P: a new row at depth 0."""
+        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache)
+        return Row(pos, token, 0, s, e)
+
+    def advance(self, rows):
+        """R: one batched call moves every row one recurrence deeper, each at its own depth."""
+        pos = torch.tensor([r.pos for r in rows])
+        depths = {r.depth for r in rows}
+        depth = depths.pop() if len(depths) == 1 else torch.tensor([r.depth for r in rows])
+        e = None if rows[0].e is None else torch.cat([r.e for r in rows])
+        s = self.model.R(torch.cat([r.s for r in rows]), e, pos, depth, self.cache)
+        for i, r in enumerate(rows):
+            r.s, r.depth = s[i:i + 1], r.depth + 1
+        if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
+            self.trace.append(dict(rows=[(r.pos, r.depth) for r in rows]))
+        self.stats["r_calls"] += 1
+        self.stats["rows"] += len(rows)
+
+    def read(self, rows):
+        """C: the greedy next token after each row, in one call."""
+        pos = torch.tensor([r.pos for r in rows])
+        logits = self.model.C(torch.cat([r.s for r in rows]), pos, self.cache)
+        self.stats["c_calls"] += 1
+        return logits.argmax(-1).tolist()
+
+    def draft(self, row, token):
+        """The token read from `row` at the draft depth becomes a draft for the next position."""
+        self.stats["drafted"] += 1
+        if self.trace is not None:
+            self.trace[-1]["drafted"] = row.pos + 1
+        return self.draft_hook(row.pos + 1, token) if self.draft_hook else token
+
+    def verify(self, row, target):
+        """Is the draft that `row` carries the full-depth token?"""
+        ok = row.token == target
+        self.stats["accepted" if ok else "rejected"] += 1
+        if self.trace is not None:
+            self.trace[-1]["accepted" if ok else "rejected"] = row.pos
+        return ok
+
+    def commit(self, token):
+        """Append a full-depth token; True when generation is over."""
+        self.tokens.append(token)
+        if self.on_token:
+            self.on_token(token)
+        return len(self.tokens) >= self.max_new_tokens or token == self.eos_token_id
+
+    def prefill(self):
+        """The whole prompt at full depth, all KV slots written; commits the first new token."""
+        n = len(self.prompt)
+        pos = torch.arange(n)
+        e, s = self.model.P(torch.tensor(self.prompt), pos, self.cache)
+        for d in range(self.num_steps):
+            s = self.model.R(s, e, pos, d, self.cache)
+        self.stats["r_calls"] += self.num_steps
+        self.stats["rows"] += n * self.num_steps
+        self.stats["c_calls"] += 1
+        token = int(self.model.C(s, pos, self.cache, rows=[n - 1]).argmax())
+        return self.commit(token)
+
+
+def autoregressive(dec: Decoder):
+    """P, T x R, C per token."""
+    while True:
+        row = dec.start(len(dec.prompt) + len(dec.tokens) - 1, dec.tokens[-1])
+        for _ in range(dec.num_steps):
+            dec.advance([row])
+        if dec.commit(dec.read([row])[0]):
+            return
+
+
+def wavefront(dec: Decoder, k: int):
+    """Rows in flight sit on a diagonal over (position, depth). Each tick is one R call over all of
+    them and one C call that verifies the oldest row (at depth T) and drafts from the newest (at
+    depth k). A draft starts a row at the next position right away, so one token commits every k
+    ticks while drafts are accepted; a rejected draft drops every row after it."""
+    T = dec.num_steps
+    rows = [dec.start(len(dec.prompt), dec.tokens[-1])]
+    while True:
+        dec.advance(rows)
+        oldest, newest = rows[0], rows[-1]
+        verifying = oldest.depth == T
+        drafting = newest.depth == k and not (verifying and newest is oldest) and newest.pos < dec.last_pos
+        out = dec.read([oldest] * verifying + [newest] * drafting) if verifying or drafting else []
+        if verifying:
+            target = out[0]
+            rows.pop(0)
+            if rows and not dec.verify(rows[0], target):
+                rows, drafting = [], False   # the draft and everything built on it
+            if dec.commit(target):
+                return
+            if not rows:
+                rows.append(dec.start(oldest.pos + 1, target))
+        if drafting:
+            rows.append(dec.start(newest.pos + 1, dec.draft(newest, out[-1])))
+
+
+def draft_then_verify(dec: Decoder, k: int, draft_len: int):
+    """Phase-separated rounds: draft up to draft_len tokens one after another from depth k, bring all
+    the round's rows from depth k to T together, keep the longest verified prefix plus the
+    full-depth token after it (a correction, or a bonus when every draft matched)."""
+    T = dec.num_steps
+    while True:
+        rows, token = [], dec.tokens[-1]
+        while True:
+            rows.append(dec.start(len(dec.prompt) + len(dec.tokens) - 1 + len(rows), token))
+            for _ in range(k):
+                dec.advance(rows[-1:])
+            if len(rows) > draft_len or rows[-1].pos == dec.last_pos:
+                break
+            token = dec.draft(rows[-1], dec.read(rows[-1:])[0])
+        for _ in range(T - k):
+            dec.advance(rows)
+        for row, nxt, target in zip(rows, rows[1:] + [None], dec.read(rows)):
+            rejected = nxt is not None and not dec.verify(nxt, target)
+            if dec.commit(target):
+                return
+            if rejected:
+                break
+
+
+def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
+             draft_len=4, eos_token_id=None, kv="full", draft_hook: Callable[[int, int], int] = None,
+             on_token: Callable[[int], None] = None, trace: list = None):
+    """Greedy decoding. Returns Generation(tokens, stats).
+
+    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default
+    max(1, T // 8)). draft_len: drafts per DtV round. draft_hook(pos, token) -> token may replace
+    each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
+    called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
+    as (position, depth reached), and the positions drafted, accepted or rejected after it."""
+    prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+    T = model.num_steps if num_steps is None else num_steps
+    k = max(1, T // 8) if draft_steps is None else draft_steps
+    if method not in ("ar", "wfd", "dtv"):
+        raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
+    if kv != "full":
+        raise ValueError(f"kv must be 'full', not {kv!r}")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
+    if T < 1:
+        raise ValueError(f"num_steps must be at least 1, not {T}")
+    if not 1 <= k <= T:
+        raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T} (the full depth)")
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be at least 1, not {draft_len}")
+    if len(prompt) + max_new_tokens > model.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {model.args.max_seq_len} positions")
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        dec = Decoder(model, prompt, max_new_tokens, T, eos_token_id, draft_hook, on_token, trace)
+        if not dec.prefill():
+            if method == "ar":
+                autoregressive(dec)
+            elif method == "wfd":
+                wavefront(dec, k)
+            else:
+                draft_then_verify(dec, k, draft_len)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    st = dec.stats
+    verified = st["accepted"] + st["rejected"]
+    st.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=len(dec.tokens),
+              acceptance=st["accepted"] / verified if verified else float("nan"),
+              r_calls_per_token=st["r_calls"] / len(dec.tokens), wall_s=wall,
+              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv)
+    return Generation(dec.tokens, st)
