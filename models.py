@@ -107,10 +107,11 @@ def apply_rope(x, cos, sin, interleaved):
 
 
 def causal_attention(q, k, v):
-    """Attention within one call over consecutive positions, no cache (full forward, training)."""
-    y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    """Attention within one call over positions 0..N-1, no cache (full forward; training, where
+    q, k, v may carry a leading batch dimension: [..., N, heads, hd])."""
+    y = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
                                        is_causal=True, enable_gqa=True)
-    return y.transpose(0, 1)
+    return y.transpose(-3, -2)
 
 
 class Block(nn.Module):
@@ -132,12 +133,12 @@ class Block(nn.Module):
         a, eps = self.a, self.a.norm_eps
         q, k, v = self.qkv(rms_norm(x, self.norm1, eps)).split(
             [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
-        q, k, v = (t.view(len(x), -1, a.head_dim) for t in (q, k, v))
+        q, k, v = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k, v))  # [..., N, heads, hd]
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         interleaved = a.kind == "huginn"
         q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
-        h = self.proj(attend(q, k, v).reshape(len(x), -1))
+        h = self.proj(attend(q, k, v).flatten(-2))
         x = rms_norm(h + x, self.norm2, eps) if a.kind == "huginn" else x + rms_norm(h, self.norm2, eps)
         gate, up = self.fc(rms_norm(x, self.norm3, eps)).chunk(2, dim=-1)
         h = self.down(F.silu(gate) * up)
