@@ -10,7 +10,10 @@ from safetensors.torch import load_file, save_file
 
 import models
 import wfd
+import kv
 from kv import KVCache
+
+torch.set_num_threads(1)  # the test models are tiny: a second thread only adds overhead
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = {name: os.path.join(HERE, "testdata", name) for name in ("huginn_A", "ouro_A")}
@@ -387,3 +390,71 @@ def test_bad_input_gives_clear_errors(ouro):
     cache = KVCache(ouro, capacity=4)
     with pytest.raises(IndexError, match="position 4 is past the KV cache's capacity of 4"):
         ouro.R(torch.zeros(1, 64), None, torch.tensor([4]), 0, cache)
+
+
+# -- exact cross-recurrence KV sharing -------------------------------------------------------------
+
+def same_logits(a, b):
+    return a.tokens == b.tokens and torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+
+
+@pytest.mark.parametrize("kind,seed", CASES)
+def test_shared_kv_wfd_equals_shared_ar(kind, seed):
+    """Tokens and the logits behind them: a wrong KV read often leaves the greedy token unchanged."""
+    model = tiny_model(kind, seed)
+    prompt, n_new = [3, 1, 4, 1, 5][:1 + seed * 2], 30
+    V = model.args.vocab_size
+    for k in range(1, model.num_steps + 1):
+        ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, keep_logits=True)
+        at = lambda pos: ar.tokens[pos - len(prompt)]
+        hooks = [None, lambda pos, tok: (at(pos) + 1) % V,  # natural drafts, all wrong, wrong at chosen positions
+                 lambda pos, tok: at(pos) if pos % 3 else (at(pos) + 1) % V]
+        for hook in hooks:
+            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, draft_hook=hook, keep_logits=True)
+            assert same_logits(out, ar), (k, hook)
+        eos = ar.tokens[n_new // 2]
+        stop = ar.tokens.index(eos)
+        out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, eos_token_id=eos,
+                           draft_hook=lambda pos, tok: at(pos))
+        assert out.tokens == ar.tokens[:stop + 1]
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+def test_shared_kv_with_a_window_over_everything_is_full_kv(kind):
+    model = tiny_model(kind, 7)
+    prompt, n_new = [9, 8, 7], 25
+    full = wfd.generate(model, prompt, n_new, method="ar", keep_logits=True)
+    for method in ("ar", "wfd"):
+        out = wfd.generate(model, prompt, n_new, method=method, kv="shared", window=len(prompt) + n_new,
+                           keep_logits=True)
+        assert out.tokens == full.tokens
+        assert torch.allclose(torch.stack(out.logits), torch.stack(full.logits), atol=1e-9)
+
+
+@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("ouro_A", 4)])
+def test_shared_kv_float32_goldens(name, steps, huginn, ouro):
+    model = huginn if name == "huginn_A" else ouro
+    meta, _ = golden(name)
+    for k in range(1, steps + 1):
+        ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps, draft_steps=k, kv="shared")
+        out = wfd.generate(model, meta["prompt_ids"], 24, num_steps=steps, draft_steps=k, kv="shared")
+        assert out.tokens == ar.tokens, k
+
+
+def test_shared_kv_memory_is_at_least_10x_smaller():
+    config = dict(tiny_config("huginn", 0), mean_recurrence=32, block_size=2048)
+    model = models.from_config(config, init_seed=0)
+    full = KVCache(model, capacity=1024, num_steps=32)
+    shared = kv.SharedKVCache(model, capacity=1024, num_steps=32, window=8, prompt_len=16)
+    allocated = lambda c: sum(t.nbytes for t in vars(c).values() if torch.is_tensor(t))
+    assert allocated(full) == full.nbytes and allocated(shared) == shared.nbytes
+    assert full.nbytes >= 10 * shared.nbytes
+
+
+def test_shared_kv_refuses_what_it_cannot_do_exactly(ouro):
+    with pytest.raises(ValueError, match="not exact for draft-then-verify"):
+        wfd.generate(ouro, [1, 2], 5, method="dtv", kv="shared")
+    with pytest.raises(ValueError, match=r"window 1 is narrower than the wavefront \(ceil\(T/k\) = 4 rows\)"):
+        wfd.generate(ouro, [1, 2], 5, kv="shared", draft_steps=1, window=1)
+    with pytest.raises(ValueError, match="window only applies to kv='shared'"):
+        wfd.generate(ouro, [1, 2], 5, window=3)

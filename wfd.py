@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kv import KVCache
+from kv import KVCache, SharedKVCache
 
 
 @dataclass
@@ -27,20 +27,23 @@ class Row:
 class Generation:
     tokens: list             # new tokens, the one from the prefill first, EOS included when hit
     stats: dict = field(default_factory=dict)
+    logits: list = None      # with keep_logits: the full-depth logits [V] that chose each token
 
 
 class Decoder:
     """One generation in flight: the model, its cache, the committed tokens and the counters.
     Every schedule is written in terms of start / advance / read / commit."""
 
-    def __init__(self, model, prompt, max_new_tokens, num_steps, eos_token_id, draft_hook, on_token, trace):
+    def __init__(self, model, prompt, max_new_tokens, num_steps, window, eos_token_id, draft_hook,
+                 on_token, trace, keep_logits):
         self.model, self.prompt, self.num_steps = model, prompt, num_steps
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
-        self.cache = KVCache(model, capacity=self.last_pos + 1, num_steps=num_steps)
-        self.tokens = []
+        self.cache = (KVCache(model, self.last_pos + 1, num_steps) if window is None else
+                      SharedKVCache(model, self.last_pos + 1, num_steps, window, len(prompt)))
+        self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
     def start(self, pos, token):
@@ -63,30 +66,33 @@ class Decoder:
         self.stats["rows"] += len(rows)
 
     def read(self, rows):
-        """C: the greedy next token after each row, in one call."""
+        """C: the logits after each row, in one call."""
         pos = torch.tensor([r.pos for r in rows])
-        logits = self.model.C(torch.cat([r.s for r in rows]), pos, self.cache)
         self.stats["c_calls"] += 1
-        return logits.argmax(-1).tolist()
+        return self.model.C(torch.cat([r.s for r in rows]), pos, self.cache)
 
-    def draft(self, row, token):
-        """The token read from `row` at the draft depth becomes a draft for the next position."""
+    def draft(self, row, logits):
+        """The greedy token read from `row` at the draft depth: a draft for the next position."""
         self.stats["drafted"] += 1
         if self.trace is not None:
             self.trace[-1]["drafted"] = row.pos + 1
+        token = int(logits.argmax())
         return self.draft_hook(row.pos + 1, token) if self.draft_hook else token
 
-    def verify(self, row, target):
-        """Is the draft that `row` carries the full-depth token?"""
-        ok = row.token == target
+    def verify(self, row, logits):
+        """Is the draft that `row` carries the greedy token of the full-depth logits before it?"""
+        ok = row.token == int(logits.argmax())
         self.stats["accepted" if ok else "rejected"] += 1
         if self.trace is not None:
             self.trace[-1]["accepted" if ok else "rejected"] = row.pos
         return ok
 
-    def commit(self, token):
-        """Append a full-depth token; True when generation is over."""
+    def commit(self, logits):
+        """Append the greedy token of full-depth logits; True when generation is over."""
+        token = int(logits.argmax())
         self.tokens.append(token)
+        if self.logits is not None:
+            self.logits.append(logits)
         if self.on_token:
             self.on_token(token)
         return len(self.tokens) >= self.max_new_tokens or token == self.eos_token_id
@@ -101,8 +107,7 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        token = int(self.model.C(s, pos, self.cache, rows=[n - 1]).argmax())
-        return self.commit(token)
+        return self.commit(self.model.C(s, pos, self.cache, rows=[n - 1])[0])
 
 
 def autoregressive(dec: Decoder):
@@ -136,7 +141,7 @@ def wavefront(dec: Decoder, k: int):
             if dec.commit(target):
                 return
             if not rows:
-                rows.append(dec.start(oldest.pos + 1, target))
+                rows.append(dec.start(oldest.pos + 1, dec.tokens[-1]))
         if drafting:
             rows.append(dec.start(newest.pos + 1, dec.draft(newest, out[-1])))
 
@@ -166,12 +171,15 @@ def draft_then_verify(dec: Decoder, k: int, draft_len: int):
 
 
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, eos_token_id=None, kv="full", draft_hook: Callable[[int, int], int] = None,
-             on_token: Callable[[int], None] = None, trace: list = None):
-    """Greedy decoding. Returns Generation(tokens, stats).
+             draft_len=4, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
+             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
+    """Greedy decoding. Returns Generation(tokens, stats, logits).
 
     num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default
-    max(1, T // 8)). draft_len: drafts per DtV round. draft_hook(pos, token) -> token may replace
+    max(1, T // 8)). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
+    (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
+    KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
+    AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
     each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
     called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
     as (position, depth reached), and the positions drafted, accepted or rejected after it."""
@@ -180,8 +188,8 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     k = max(1, T // 8) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
         raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
-    if kv != "full":
-        raise ValueError(f"kv must be 'full', not {kv!r}")
+    if kv not in ("full", "shared"):
+        raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
@@ -195,13 +203,26 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
         raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T} (the full depth)")
     if draft_len < 1:
         raise ValueError(f"draft_len must be at least 1, not {draft_len}")
+    if kv == "full" and window is not None:
+        raise ValueError("window only applies to kv='shared'")
+    if kv == "shared":
+        if method == "dtv":
+            raise ValueError("kv='shared' is not exact for draft-then-verify: its verify pass writes the "
+                             "final-depth KV of positions it may then reject, which rows in flight read; "
+                             "use kv='full'")
+        width = ceil(T / k)
+        window = width if window is None else window
+        if window < (width if method == "wfd" else 1):
+            raise ValueError(f"window {window} is narrower than the wavefront (ceil(T/k) = {width} rows): "
+                             "its rows would read final-depth KV that is not written yet")
     if len(prompt) + max_new_tokens > model.args.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {model.args.max_seq_len} positions")
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        dec = Decoder(model, prompt, max_new_tokens, T, eos_token_id, draft_hook, on_token, trace)
+        dec = Decoder(model, prompt, max_new_tokens, T, window, eos_token_id, draft_hook, on_token, trace,
+                      keep_logits)
         if not dec.prefill():
             if method == "ar":
                 autoregressive(dec)
@@ -217,5 +238,5 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     st.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=len(dec.tokens),
               acceptance=st["accepted"] / verified if verified else float("nan"),
               r_calls_per_token=st["r_calls"] / len(dec.tokens), wall_s=wall,
-              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv)
-    return Generation(dec.tokens, st)
+              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv, window=window)
+    return Generation(dec.tokens, st, dec.logits)
