@@ -275,8 +275,9 @@ def checkpoint_layout(a: ModelArgs):
         layout["norm"] = [("model.norm.weight", None)]
         unused = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}  # always full depth
     else:
-        for group, src_group in (("prelude", "prelude"), ("core", "core_block"), ("coda", "coda")):
-            for i in range(len(getattr_layers(a, group))):
+        for group, src_group, n_layers in (("prelude", "prelude", a.n_prelude), ("core", "core_block", a.n_core),
+                                           ("coda", "coda", a.n_coda)):
+            for i in range(n_layers):
                 src, dst = f"transformer.{src_group}.{i}.", f"{group}.{i}."
                 layout[dst + "qkv.weight"] = [(src + "attn.Wqkv.weight", None)]
                 layout[dst + "proj.weight"] = [(src + "attn.proj.weight", None)]
@@ -294,10 +295,6 @@ def checkpoint_layout(a: ModelArgs):
     if not a.tie_embeddings:
         layout["lm_head.weight"] = [("lm_head.weight", None)]
     return layout, unused
-
-
-def getattr_layers(a: ModelArgs, group):
-    return range({"prelude": a.n_prelude, "core": a.n_core, "coda": a.n_coda}[group])
 
 
 def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="random", seed=0, init_seed=None):

@@ -2,7 +2,7 @@
 
 All three produce greedy AR's tokens. They differ in how they schedule rows, a row being one token
 position at one depth, through the model's three calls P (start a row), R (advance rows by one
-recurrence) and C (read a token out of a row). See ../README.md, "The method in the code".
+recurrence) and C (read a token out of a row). See README.md, "The method in the code".
 """
 import time
 from dataclasses import dataclass, field
