@@ -28,6 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 SUPPORTED = {"ouro": "Ouro (ByteDance/Ouro-1.4B, Ouro-2.6B)", "huginn_raven": "Huginn (tomg-group-umd/huginn-0125)"}
+UNSUPPORTED = {
+    "ouro": {"rope_scaling": lambda v: v is None, "use_sliding_window": lambda v: not v,
+             "hidden_act": lambda v: v == "silu"},
+    "huginn_raven": {"injection_type": lambda v: v == "linear", "nonlin_name": lambda v: v == "SiLU",
+                     "bias": lambda v: not v, "test_time_noise": lambda v: not v},
+}
 
 
 @dataclass
@@ -53,6 +59,20 @@ class ModelArgs:
     @staticmethod
     def from_config(c: dict) -> "ModelArgs":
         model_type = c.get("model_type")
+        if model_type not in SUPPORTED:
+            raise ValueError(f"unknown model_type {model_type!r} in config.json; supported: "
+                             + ", ".join(f"{k!r} ({v})" for k, v in SUPPORTED.items()))
+        # settings the official code has and this one does not: refuse rather than run another model
+        bad = [f"{k}={c[k]!r}" for k, ok in UNSUPPORTED[model_type].items() if k in c and not ok(c[k])]
+        if bad:
+            raise ValueError(f"config.json asks for what this implementation does not support: {', '.join(bad)}")
+        try:
+            return ModelArgs._parse(model_type, c)
+        except KeyError as err:
+            raise ValueError(f"config.json lacks {err.args[0]!r}, needed for a {model_type} model") from None
+
+    @staticmethod
+    def _parse(model_type, c):
         if model_type == "ouro":
             heads = c["num_attention_heads"]
             return ModelArgs(
@@ -76,8 +96,6 @@ class ModelArgs:
                 max_seq_len=c["block_size"], tie_embeddings=bool(c.get("tie_embeddings", True)),
                 qk_bias=bool(c.get("qk_bias", True)),
                 init_std=(c.get("init_values") or {}).get("std", math.sqrt(2 / (5 * dim))))
-        raise ValueError(f"unknown model_type {model_type!r} in config.json; supported: "
-                         + ", ".join(f"{k!r} ({v})" for k, v in SUPPORTED.items()))
 
 
 def rope_table(a: ModelArgs):

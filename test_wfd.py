@@ -236,6 +236,10 @@ def test_load_errors_name_the_problem(tmp_path, monkeypatch):
             {"transformer.adapter.weight": torch.zeros(64, 64)})))
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape"):
         models.load(broken_copy(tmp_path / "e", "ouro_A", edit_config=lambda c: c.update(num_key_value_heads=4)))
+    with pytest.raises(ValueError, match="does not support: rope_scaling="):
+        models.load(broken_copy(tmp_path / "f", "ouro_A", edit_config=lambda c: c.update(rope_scaling={"type": "yarn"})))
+    with pytest.raises(ValueError, match="lacks 'n_layers_in_coda'"):
+        models.load(broken_copy(tmp_path / "g", "huginn_A", edit_config=lambda c: c.pop("n_layers_in_coda")))
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         models.load(str(tmp_path / "no" / "such" / "folder"))
     (tmp_path / "empty").mkdir()
