@@ -1,0 +1,370 @@
+"""Spec-Bench-style speed comparison of AR, draft-then-verify and the wavefront on one looped LM.
+
+Every prompt is decoded by every method (after a warm-up); each output is checked against AR token
+for token; a markdown table per category and overall is printed, and one JSONL of answers per method
+is written in Spec-Bench's answer format.
+
+    python bench.py                                              # demo model, held-out stdlib prompts
+    python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
+    python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
+
+--random-weights builds a model of that config with random weights (real sizes without the real
+weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
+the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs and
+the output still equals AR's. Such results are labelled "emulated".
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+import uuid
+from collections import defaultdict
+from datetime import datetime, timezone
+
+import torch
+
+import models
+import wfd
+from run import DEMO, DTYPES, default_eos
+
+# name: (wfd.generate method, kv, label, the run whose output it must equal)
+METHODS = {
+    "ar": ("ar", "full", "AR", "ar"),
+    "dtv": ("dtv", "full", "DtV", "ar"),
+    "wfd": ("wfd", "full", "WFD", "ar"),
+    "ar-shared": ("ar", "shared", "AR, shared KV", "ar-shared"),
+    "wfd-shared": ("wfd", "shared", "WFD, shared KV", "ar-shared"),
+}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+COLUMNS = ["method", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
+           "R calls/token", "KV MiB", "identical"]
+LEGEND = """\
+- tok/s: mean over prompts of new tokens / time, prefill included (wall clock, or the process's CPU
+  time with --clock cpu); speedup: that mean divided by AR's, as Spec-Bench computes it. decode
+  speedup: the same, timed from the first token to the last (without the prefill).
+- tokens/round: Spec-Bench's mean accepted tokens, tokens committed per token that came from full
+  depth rather than from an accepted draft: tokens / (tokens - accepted drafts). For DtV a round is
+  one draft-then-verify cycle (its accepted drafts plus the correction or bonus). WFD verifies one
+  position per R call and commits one token per verify, so it has no rounds; its "round" is a run of
+  accepted drafts between restarts, about 1 / (1 - acceptance). AR: 1.
+- acceptance: accepted / verified drafts. R calls/token: sequential recurrences per token, prefill
+  included. KV MiB: the KV cache allocated, mean over prompts.
+- identical: share of prompts whose tokens equal AR's (shared-KV runs: AR's with the same sharing);
+  100% is required of every method."""
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+def chat(model, question):
+    """The model's own chat template around one user turn (Ouro: ChatML; Huginn: its header format),
+    when its tokenizer has the special tokens; else plain text. Returns (text, stop token id)."""
+    tok = model.tokenizer
+    has = lambda *names: all(tok.token_to_id(n) is not None for n in names)
+    if model.kind == "ouro" and has("<|im_start|>", "<|im_end|>"):
+        return (f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+                tok.token_to_id("<|im_end|>"))
+    if model.kind == "huginn" and has("<|begin_text|>", "<|begin_header|>", "<|end_header|>", "<|end_turn|>"):
+        return ("<|begin_text|><|begin_header|>user<|end_header|>\n\n" + question.strip()
+                + "<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", tok.token_to_id("<|end_turn|>"))
+    return question, default_eos(model)
+
+
+def specbench_prompts(model, path, categories, per_category):
+    """Spec-Bench question.jsonl, first turn only."""
+    if model.tokenizer is None:
+        sys.exit("--questions needs the model's tokenizer.json")
+    prompts, taken = [], defaultdict(int)
+    with open(path) as f:
+        for line in f:
+            q = json.loads(line)
+            cat = q["category"]
+            if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
+                continue
+            taken[cat] += 1
+            text, eos = chat(model, q["turns"][0])
+            ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+            prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
+    return prompts
+
+
+def stdlib_prompts(model, per_file, length=48):
+    """The demo's held-out set: the first `length` tokens from each of the first `per_file` top-level
+    defs of every stdlib file that train_demo.py never trains on (as its own evaluation does), in two
+    categories: library code and test code."""
+    if model.tokenizer is None:
+        sys.exit("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
+    from train_demo import is_held_out, stdlib_files  # the held-out split is defined there
+    prompts = []
+    for rel, text in stdlib_files():
+        if not is_held_out(rel):
+            continue
+        category = "stdlib tests" if "test" in rel else "stdlib library"
+        for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
+            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category=category,
+                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
+    return prompts
+
+
+def random_prompts(model, n, length, seed):
+    """Seeded random token ids, for models without a tokenizer; no EOS, so each runs to the limit."""
+    g = random.Random(seed)
+    return [dict(question_id=i, category="random", eos=None,
+                 ids=[g.randrange(model.args.vocab_size) for _ in range(length)]) for i in range(n)]
+
+
+# -- one run ----------------------------------------------------------------------------------------
+
+def run(model, prompt, name, args, max_new_tokens, ref=None):
+    """Decode one prompt with one method. With args.acceptance, each draft becomes ref's token with
+    that probability and a wrong token otherwise (ref: the reference run's tokens)."""
+    method, kv, _, _ = METHODS[name]
+    offset, vocab = len(prompt["ids"]), model.args.vocab_size
+    rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
+    drafts, times = {}, []
+
+    def hook(pos, token):
+        i = pos - offset
+        if args.acceptance is not None and ref is not None and i < len(ref):  # past ref's EOS: never committed
+            token = ref[i] if rng.random() < args.acceptance else (ref[i] + rng.randrange(1, vocab)) % vocab
+        drafts[pos] = token  # the last draft for a position is the one its verify compares
+        return token
+
+    clock = CLOCKS[args.clock]
+    start = clock()
+    out = wfd.generate(model, prompt["ids"], max_new_tokens, method=method, num_steps=args.steps,
+                       draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=prompt["eos"],
+                       kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()))
+    end = clock()
+    tokens = out.tokens
+    # a committed token is an accepted draft iff it equals the last draft for its position; each
+    # other token (the prefill's, a correction, a bonus) opens a round
+    accepted = [i > 0 and drafts.get(offset + i) == t for i, t in enumerate(tokens)]
+    lengths = []
+    for a in accepted:
+        if a:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    decode = (len(tokens) - 1) / (end - times[0]) if len(tokens) > 1 else float("nan")
+    return dict(tokens=tokens, stats=out.stats, accept_lengths=lengths, time_s=end - start,
+                tok_s=len(tokens) / (end - start), decode_tok_s=decode)
+
+
+# -- tables -----------------------------------------------------------------------------------------
+
+def mean(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(recs):
+    """recs: one result per prompt for one method -> the table's figures."""
+    st = [r["stats"] for r in recs]
+    tokens, accepted = sum(s["tokens"] for s in st), sum(s["accepted"] for s in st)
+    verified = accepted + sum(s["rejected"] for s in st)
+    return dict(tok_s=mean([r["tok_s"] for r in recs]), decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
+                per_round=tokens / (tokens - accepted), acceptance=accepted / verified if verified else float("nan"),
+                r_per_token=sum(s["r_calls"] for s in st) / tokens,
+                kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
+                identical=sum(r["identical"] for r in recs) / len(recs))
+
+
+def table(results, names, ids):
+    """Markdown table over the prompts `ids`; speedups against AR on the same prompts."""
+    figs = {n: summarize([results[n][i] for i in ids]) for n in names}
+    ar = figs["ar"]
+    fmt = lambda x, f: "–" if math.isnan(x) else format(x, f)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for n, f in figs.items():
+        lines.append("| " + " | ".join([
+            METHODS[n][2], fmt(f["tok_s"], ".2f"), fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
+            fmt(f["decode_tok_s"] / ar["decode_tok_s"], ".2f") + "x", fmt(f["per_round"], ".2f"),
+            fmt(f["acceptance"], ".3f"), fmt(f["r_per_token"], ".2f"), fmt(f["kv_mib"], ".1f"),
+            f"{100 * f['identical']:.0f}%"]) + " |")
+    return "\n".join(lines), figs
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=DEMO, help="model folder or hub id (default: the demo model)")
+    src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
+    p.add_argument("--questions", help="Spec-Bench question.jsonl (first turns; needs a tokenizer)")
+    p.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument("--per-category", type=int, help="at most this many prompts per category")
+    p.add_argument("--limit", type=int, help="run only the first N prompts of the set")
+    p.add_argument("--per-file", type=int, default=1, help="held-out stdlib prompts per file (demo model)")
+    p.add_argument("--num-prompts", type=int, default=4, help="random-id prompts, for models without a tokenizer")
+    p.add_argument("--prompt-len", type=int, default=16, help="length of each random-id prompt")
+    p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
+                   "AR always runs, and AR with shared KV runs with WFD's (its reference)")
+    p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none)")
+    p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
+    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
+                   "else max(1, T // 8))")
+    p.add_argument("--draft-len", type=int, default=4, help="drafts per DtV round")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's; float32 for random weights")
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
+                   "process's CPU time (steadier on a busy machine; use with --threads 1)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
+                   "parameters, else torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, the acceptance stream, Huginn's s0")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers ('' for none)")
+    return p.parse_args(argv)
+
+
+def load_model(args, log):
+    t0 = time.perf_counter()
+    if args.random_weights:
+        with open(args.random_weights) as f:
+            config = json.load(f)
+        model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
+        log(f"building {model_id} with random weights on {args.device} ...")
+        model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"], seed=args.seed,
+                                   init_seed=args.init_seed)
+    else:
+        if args.model == DEMO and not os.path.isdir(DEMO):
+            sys.exit("no --model given and the demo model is missing: build it with python train_demo.py")
+        model_id = os.path.basename(os.path.normpath(args.model))
+        log(f"loading {args.model} ...")
+        model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
+    if args.threads or n_params < 100e6:  # as run.py: small matmuls only lose from more threads
+        torch.set_num_threads(args.threads or 1)
+    if args.draft_steps is None:  # a model may name the draft depth it was trained for (the demo)
+        args.draft_steps = model.config.get("wfd_draft_steps")
+    return model, model_id
+
+
+def load_prompts(model, args, log):
+    if args.questions:
+        cats = set(args.categories.split(",")) if args.categories else None
+        prompts, source = specbench_prompts(model, args.questions, cats, args.per_category), "Spec-Bench, first turns"
+    elif model.tokenizer is None or args.random_weights:
+        prompts = random_prompts(model, args.num_prompts, args.prompt_len, args.seed)
+        source = f"{args.num_prompts} random-id prompts of {args.prompt_len} tokens"
+    else:
+        prompts, source = stdlib_prompts(model, args.per_file), "held-out stdlib files, 48 tokens from a def"
+    fits = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= model.args.max_seq_len]
+    if len(fits) < len(prompts):
+        log(f"  skipping {len(prompts) - len(fits)} prompts longer than the context allows")
+    if not fits:
+        sys.exit("no prompts to run")
+    return fits[:args.limit], source
+
+
+def run_all(model, prompts, names, args, log):
+    """Every method on every prompt, each reference before the runs checked against it."""
+    if args.warmup:
+        # one token is the prefill alone, the same for every method: one run touches all the weights
+        warm = names if args.warmup > 1 else names[:1]
+        log(f"warm-up: {args.warmup} tokens, {', '.join(warm)}")
+        for name in warm:
+            run(model, prompts[0], name, args, args.warmup)
+    results = defaultdict(list)  # name -> one result per prompt
+    for i, prompt in enumerate(prompts):
+        for name in names:
+            ref_name = METHODS[name][3]
+            ref = results[ref_name][i]["tokens"] if ref_name != name else None
+            r = run(model, prompt, name, args, args.max_new_tokens, ref)
+            r.update(identical=ref is None or r["tokens"] == ref, prompt=prompt)
+            results[name].append(r)
+            st = r["stats"]
+            log(f"[{i + 1}/{len(prompts)} {prompt['category']}] {name:>10}: {st['tokens']} tokens in "
+                f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
+                f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
+                + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
+    return results
+
+
+def print_summary(model, model_id, prompts, source, names, results, args, argv):
+    """The header, a table per category and overall, the legend: markdown to paste."""
+    T = model.num_steps if args.steps is None else args.steps
+    k = max(1, T // 8) if args.draft_steps is None else args.draft_steps  # as wfd.generate
+    emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
+    device = (torch.cuda.get_device_name() if args.device == "cuda"
+              else f"{cpu_name()}, {torch.get_num_threads()} CPU thread(s)")
+    print(f"## bench.py: {model_id}{emulated}\n")
+    print(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {device}; torch {torch.__version__}; "
+          f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
+    print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
+    print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
+          f"up to {args.max_new_tokens} new tokens, greedy, batch 1\n")
+    by_cat = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_cat[p["category"]].append(i)
+    if len(by_cat) > 1:
+        for cat, ids in by_cat.items():
+            print(f"### {cat} ({len(ids)} prompts)\n\n{table(results, names, ids)[0]}\n")
+    text, figs = table(results, names, range(len(prompts)))
+    print(f"### overall ({len(prompts)} prompts{emulated})\n\n{text}\n\n{LEGEND}")
+    per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
+                for n in names}
+    print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
+          + ", ".join(f"{METHODS[n][2]} {1000 * t:.1f} ms" for n, t in per_call.items()))
+    if args.acceptance is not None and "wfd" in figs:
+        A, a = args.acceptance, figs["wfd"]["acceptance"]
+        ideal = lambda A: T / (A * k + (1 - A) * T)
+        print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {ideal(A):.2f}x at A={A}, {ideal(a):.2f}x at the "
+              f"measured {a:.3f}; R-call ratio measured: {figs['ar']['r_per_token'] / figs['wfd']['r_per_token']:.2f}x")
+    return figs
+
+
+def write_answers(model, model_id, names, results, args):
+    """One JSONL per method, in Spec-Bench's answer format, plus this run's counters."""
+    os.makedirs(args.out, exist_ok=True)
+    for name in names:
+        with open(os.path.join(args.out, f"{model_id}-{name}.jsonl"), "w") as f:
+            for r in results[name]:
+                p, st = r["prompt"], r["stats"]
+                text = (model.tokenizer.decode(r["tokens"]) if model.tokenizer is not None
+                        else " ".join(map(str, r["tokens"])))
+                choice = dict(index=0, turns=[text], decoding_steps=[len(r["accept_lengths"])],
+                              new_tokens=[st["tokens"]], wall_time=[r["time_s"]], accept_lengths=r["accept_lengths"])
+                f.write(json.dumps(dict(
+                    question_id=p["question_id"], category=p["category"], answer_id=uuid.uuid4().hex,
+                    model_id=f"{model_id}-{name}", choices=[choice], tstamp=time.time(),
+                    emulated_acceptance=args.acceptance,
+                    stats={key: v for key, v in st.items() if not isinstance(v, float) or math.isfinite(v)})) + "\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        sys.exit(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    # AR always runs (the baseline), and AR with shared KV whenever WFD with shared KV does (its reference)
+    names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or n == "ar-shared" and "wfd-shared" in names)]
+    model, model_id = load_model(args, log)
+    prompts, source = load_prompts(model, args, log)
+    results = run_all(model, prompts, names, args, log)
+    figs = print_summary(model, model_id, prompts, source, names, results, args, argv)
+    if args.out:
+        write_answers(model, model_id, names, results, args)
+        log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl")
+    return dict(names=names, figs=figs, results=results)
+
+
+if __name__ == "__main__":
+    main()

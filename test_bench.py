@@ -1,0 +1,126 @@
+"""Smoke tests of bench.py: a few seconds on the golden checkpoints and on tiny random-weight models.
+They check the table and the answer files, never timings."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import bench
+import models
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADER = "| " + " | ".join(bench.COLUMNS) + " |"
+
+
+def rows(text):
+    """The overall table's rows: label -> cells."""
+    overall = text[text.index("### overall"):]
+    lines = [line for line in overall.splitlines() if line.startswith("| ") and line != HEADER]
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+def run_bench(capsys, args):
+    threads = torch.get_num_threads()
+    try:  # one thread: tiny models only lose from more, and most when the CPU is busy
+        out = bench.main(args + ["--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    return out, capsys.readouterr().out
+
+
+def check_answers(folder, model_id, out):
+    for name in out["names"]:
+        with open(os.path.join(folder, f"{model_id}-{name}.jsonl")) as f:
+            answers = [json.loads(line) for line in f]
+        assert len(answers) == len(out["results"][name])
+        for a in answers:
+            assert {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"} <= a.keys()
+            c = a["choices"][0]
+            # each round commits one full-depth token plus the accepted drafts after it
+            assert sum(c["accept_lengths"]) == c["new_tokens"][0] == a["stats"]["tokens"]
+            assert len(c["accept_lengths"]) == c["decoding_steps"][0] == a["stats"]["tokens"] - a["stats"]["accepted"]
+
+
+def test_golden_checkpoint(capsys, tmp_path):
+    out, text = run_bench(capsys, ["--model", os.path.join(HERE, "testdata", "ouro_A"), "--num-prompts", "2",
+                                   "--prompt-len", "5", "--max-new-tokens", "12", "--warmup", "2",
+                                   "--out", str(tmp_path)])
+    assert HEADER in text
+    table = rows(text)
+    assert [r[0] for r in table.values()] == [bench.METHODS[n][2] for n in out["names"]]
+    assert {"ar", "dtv", "wfd"} <= set(out["names"])
+    for cells in table.values():
+        assert len(cells) == len(bench.COLUMNS) and cells[-1] == "100%"  # every mode is exact
+    assert table["AR"][2] == "1.00x" and table["AR"][6] == "4.00"
+    check_answers(tmp_path, "ouro_A", out)
+
+
+@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python train_demo.py)")
+def test_demo_stdlib_prompts(capsys, tmp_path):
+    """The demo model on its built-in held-out prompt set: real text through its tokenizer."""
+    out, text = run_bench(capsys, ["--limit", "3", "--max-new-tokens", "8", "--warmup", "2", "--out", str(tmp_path)])
+    assert "### overall (3 prompts)" in text and "held-out stdlib" in text
+    for cells in rows(text).values():
+        assert cells[-1] == "100%"
+    check_answers(tmp_path, "demo", out)
+
+
+@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python train_demo.py)")
+def test_specbench_questions(capsys):
+    """Spec-Bench's questions, first turns, a table per category."""
+    questions = os.path.join(HERE, "data", "specbench", "question.jsonl")
+    out, text = run_bench(capsys, ["--questions", questions, "--categories", "qa,math_reasoning", "--per-category", "1",
+                                   "--max-new-tokens", "8", "--warmup", "0", "--methods", "wfd", "--out", ""])
+    assert "### qa (1 prompts)" in text and "### math_reasoning (1 prompts)" in text
+    assert [p["prompt"]["question_id"] for p in out["results"]["ar"]] == [321, 401]
+    assert all(cells[-1] == "100%" for cells in rows(text).values())
+
+
+def test_random_weights_emulated(capsys, tmp_path):
+    config = os.path.join(HERE, "testdata", "huginn_A", "config.json")
+    out, text = run_bench(capsys, ["--random-weights", config, "--acceptance", "0.8", "--steps", "8",
+                                   "--draft-steps", "2", "--num-prompts", "2", "--prompt-len", "6",
+                                   "--max-new-tokens", "16", "--warmup", "0", "--out", str(tmp_path)])
+    assert "emulated acceptance A=0.8" in text and "Ideal WFD speedup" in text
+    for cells in rows(text).values():
+        assert cells[-1] == "100%"
+    check_answers(tmp_path, "config-random", out)
+
+
+def test_emulated_acceptance_extremes(capsys):
+    """A=1 accepts every verified draft and A=0 none, and the output still equals AR's."""
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    for a in ("1.0", "0.0"):
+        out, _ = run_bench(capsys, ["--random-weights", config, "--acceptance", a, "--methods", "dtv,wfd",
+                                    "--num-prompts", "1", "--prompt-len", "4", "--max-new-tokens", "12",
+                                    "--warmup", "0", "--out", ""])
+        figs = out["figs"]
+        for name in ("dtv", "wfd"):
+            assert figs[name]["acceptance"] == float(a) and figs[name]["identical"] == 1
+        if a == "1.0":  # every draft right: fewer sequential R calls than AR
+            assert figs["wfd"]["r_per_token"] < figs["ar"]["r_per_token"]
+
+
+def test_chat_templates():
+    special = {"<|im_start|>": 1, "<|im_end|>": 2, "<|begin_text|>": 3, "<|begin_header|>": 4,
+               "<|end_header|>": 5, "<|end_turn|>": 6}
+    tok = SimpleNamespace(token_to_id=special.get)
+    ouro = SimpleNamespace(kind="ouro", tokenizer=tok, config={})
+    assert bench.chat(ouro, "Hi?") == ("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n", 2)
+    huginn = SimpleNamespace(kind="huginn", tokenizer=tok, config={})
+    assert bench.chat(huginn, " Hi? ") == (
+        "<|begin_text|><|begin_header|>user<|end_header|>\n\nHi?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", 6)
+    plain = SimpleNamespace(kind="ouro", tokenizer=SimpleNamespace(token_to_id=lambda t: None), config={"eos_token_id": 0})
+    assert bench.chat(plain, "Hi?") == ("Hi?", 0)
+
+
+def test_real_configs():
+    """The shipped real-size configs build (on the meta device: no memory) at the published sizes."""
+    for name, params in (("huginn-0125", 3_564_976_800), ("ouro-2.6b", 2_667_972_608)):
+        with open(os.path.join(HERE, "configs", f"{name}.json")) as f:
+            config = json.load(f)
+        with torch.device("meta"):
+            model = models.LoopedLM(models.ModelArgs.from_config(config), config)
+        assert sum(p.numel() for p in model.parameters()) == params
