@@ -23,12 +23,14 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--method", default="wfd", choices=["wfd", "ar", "dtv", "all"])
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
-    p.add_argument("--draft-steps", type=int, help="draft depth k (default: max(1, T // 8))")
+    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--kv", default="full", choices=["full", "shared"], help="KV cache: per depth, or shared across depths")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
+                   "whose matmuls are too small to share between cores; else torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of Huginn's random initial state")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
@@ -42,21 +44,44 @@ def default_eos(model):
     return eos[0] if isinstance(eos, list) else eos
 
 
-def draw_wavefront(trace, first_pos, ticks=24):
-    """One line per position, one column per R call: the depth a row reached in that call, with
-    d = drafted from here, + = its draft accepted, x = rejected (the rows after it are dropped)."""
-    trace = trace[:ticks]
-    positions = sorted({p for t in trace for p, _ in t["rows"]})
-    lines = ["pos   " + "".join(f"{i + 1:>4}" for i in range(len(trace))) + "   (R call)"]
-    for pos in positions:
-        cells = []
-        for t in trace:
-            depth = dict(t["rows"]).get(pos)
-            mark = ("x" if t.get("rejected") == pos + 1 else "+" if t.get("accepted") == pos + 1
-                    else "d" if t.get("drafted") == pos + 1 else " ")
-            cells.append(f"{depth:>3}{mark}" if depth is not None else "   .")
-        lines.append(f"{pos - first_pos:>+4}  " + "".join(cells))
-    return "\n".join(lines)
+def draw_wavefront(trace, tokens, drafts, first_pos, num_steps, k, label, ticks=24):
+    """The (position x depth) picture of the first R calls of a WFD run: one column per R call, one
+    line per row (a position, named by the token it reads in; a rejected draft and the row that
+    replaces it get a line each), the cell holding the depth the row reached in that call.
+    tokens: the committed tokens; drafts: (position, token) of each draft, in order."""
+    trace, drafts = trace[:ticks], iter(drafts)
+    width = len(str(num_steps)) + 4
+    pending, active, lines = {}, {}, []
+    for t, tick in enumerate(trace):
+        for pos, depth in tick["rows"]:
+            if depth == 1:  # the row's first R call
+                token = pending.pop(pos) if pos in pending else tokens[pos - first_pos]
+                active[pos] = dict(name=f"#{pos - first_pos + 1:<3} {label(token)}", cells={})
+                lines.append(active[pos])
+            verdict = {tick.get("accepted"): "+", tick.get("rejected"): "x"}.get(pos, "")
+            if "rejected" in tick and pos > tick["rejected"]:
+                verdict = "-"
+            mark = ("=" if depth == num_steps else "") + verdict + ("d" if tick.get("drafted") == pos + 1 else "")
+            active[pos]["cells"][t] = f"{depth}{mark}"
+        if "drafted" in tick:
+            pos, token = next(drafts)
+            pending[pos] = token
+    name_w = max(len(line["name"]) for line in lines)
+    out = [" " * name_w + "  R call " + "".join(f"{t + 1:>{width}}" for t in range(len(trace)))]
+    for line in lines:
+        cells = "".join(f"{line['cells'].get(t, ''):>{width}}" for t in range(len(trace)))
+        out.append(f"{line['name']:<{name_w}}         {cells}".rstrip())
+    committed = sum(1 for tick in trace for pos, depth in tick["rows"] if depth == num_steps)
+    out += [f"One column per R call (the looped block run once over a batch of rows), one line per row:",
+            f"a new token's position, named by the token it reads in. The number is the depth that row",
+            f"reached in that call.",
+            f"  d  read at the draft depth k={k}: its token is a draft, and the next position starts at once",
+            f"  =  read at the full depth T={num_steps}: AR's token, committed; it checks the draft of the next line",
+            f"  +  this row's draft was checked and accepted",
+            f"  x  this row's draft was rejected: the row is dropped (- and the rows drafted from it), and the",
+            f"     position starts again from depth 1 with the committed token",
+            f"{committed} tokens committed in {len(trace)} R calls; AR takes {num_steps} R calls per token."]
+    return "\n".join(out)
 
 
 def main(argv=None):
@@ -65,6 +90,8 @@ def main(argv=None):
         sys.exit("no --model given and the demo model is missing: build it with python train_demo.py")
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
+    if args.threads or sum(p.numel() for p in model.parameters()) < 100e6:
+        torch.set_num_threads(args.threads or 1)
     if args.prompt_ids is not None:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     elif model.tokenizer is None:
@@ -72,6 +99,8 @@ def main(argv=None):
     else:
         prompt = model.tokenizer.encode(args.prompt).ids
     eos = args.eos if args.eos is not None else default_eos(model)
+    # a model may name the draft depth it was trained for (the demo: k=2 of T=4)
+    draft_steps = args.draft_steps if args.draft_steps is not None else model.config.get("wfd_draft_steps")
     methods = ["ar", "dtv", "wfd"] if args.method == "all" else [args.method]
     stream = not args.json and len(methods) == 1 and model.tokenizer is not None
     results = {}
@@ -83,11 +112,16 @@ def main(argv=None):
                 print(model.tokenizer.decode(prompt + shown)[len(model.tokenizer.decode(prompt + shown[:-1])):],
                       end="", flush=True)
         trace = [] if args.show_wavefront and method == "wfd" else None
+        drafts = []
+        def record_draft(pos, tok):  # for the picture: the token each drafted row reads in
+            drafts.append((pos, tok))
+            return tok
         if stream:
             print(args.prompt, end="", flush=True)
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, num_steps=args.steps,
-                           draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=eos,
-                           kv=args.kv, on_token=on_token, trace=trace)
+                           draft_steps=draft_steps, draft_len=args.draft_len, eos_token_id=eos,
+                           kv=args.kv, on_token=on_token, trace=trace,
+                           draft_hook=record_draft if trace is not None else None)
         results[method] = out
         st = out.stats
         if args.json:
@@ -103,7 +137,8 @@ def main(argv=None):
               f"T={st['num_steps']} k={st['draft_steps']}, acceptance {st['acceptance']:.2f}, "
               f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB")
         if trace:
-            print(draw_wavefront(trace, len(prompt)))
+            label = (lambda t: repr(model.tokenizer.decode([t]))) if model.tokenizer else str
+            print(draw_wavefront(trace, out.tokens, drafts, len(prompt), st["num_steps"], st["draft_steps"], label))
     if len(methods) > 1 and not args.json:
         same = all(r.tokens == results["ar"].tokens for r in results.values())
         print("outputs identical to AR: " + ("yes" if same else "NO"))
