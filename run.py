@@ -99,8 +99,6 @@ def main(argv=None):
     else:
         prompt = model.tokenizer.encode(args.prompt).ids
     eos = args.eos if args.eos is not None else default_eos(model)
-    # a model may name the draft depth it was trained for (the demo: k=2 of T=4)
-    draft_steps = args.draft_steps if args.draft_steps is not None else model.config.get("wfd_draft_steps")
     methods = ["ar", "dtv", "wfd"] if args.method == "all" else [args.method]
     stream = not args.json and len(methods) == 1 and model.tokenizer is not None
     results = {}
@@ -119,7 +117,7 @@ def main(argv=None):
         if stream:
             print(args.prompt, end="", flush=True)
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, num_steps=args.steps,
-                           draft_steps=draft_steps, draft_len=args.draft_len, eos_token_id=eos,
+                           draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=eos,
                            kv=args.kv, on_token=on_token, trace=trace,
                            draft_hook=record_draft if trace is not None else None)
         results[method] = out
