@@ -30,7 +30,7 @@ import torch
 
 import models
 import wfd
-from run import DEMO, DTYPES, default_eos
+from run import DEMO, DTYPES, default_eos, set_threads
 
 # name: (wfd.generate method, kv, label, the run whose output it must equal)
 METHODS = {
@@ -93,18 +93,17 @@ def specbench_prompts(model, path, categories, per_category):
 
 def stdlib_prompts(model, per_file, length=48):
     """The demo's held-out set: the first `length` tokens from each of the first `per_file` top-level
-    defs of every stdlib file that train_demo.py never trains on (as its own evaluation does), in two
-    categories: library code and test code."""
+    defs of every held-out stdlib library file (train_demo.py never trains on them; its own
+    evaluation uses the first def of each)."""
     if model.tokenizer is None:
         sys.exit("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
-    from train_demo import is_held_out, stdlib_files  # the held-out split is defined there
+    from train_demo import is_held_out, is_library, stdlib_files  # the held-out split is defined there
     prompts = []
     for rel, text in stdlib_files():
-        if not is_held_out(rel):
+        if not (is_library(rel) and is_held_out(rel)):
             continue
-        category = "stdlib tests" if "test" in rel else "stdlib library"
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
-            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category=category,
+            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
                                 ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
     return prompts
 
@@ -248,10 +247,7 @@ def load_model(args, log):
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
-    if args.threads or n_params < 100e6:  # as run.py: small matmuls only lose from more threads
-        torch.set_num_threads(args.threads or 1)
-    if args.draft_steps is None:  # a model may name the draft depth it was trained for (the demo)
-        args.draft_steps = model.config.get("wfd_draft_steps")
+    set_threads(model, args.threads)
     return model, model_id
 
 
@@ -299,7 +295,7 @@ def run_all(model, prompts, names, args, log):
 def print_summary(model, model_id, prompts, source, names, results, args, argv):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
-    k = max(1, T // 8) if args.draft_steps is None else args.draft_steps  # as wfd.generate
+    k = wfd.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
     emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
     device = (torch.cuda.get_device_name() if args.device == "cuda"
               else f"{cpu_name()}, {torch.get_num_threads()} CPU thread(s)")

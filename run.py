@@ -84,14 +84,20 @@ def draw_wavefront(trace, tokens, drafts, first_pos, num_steps, k, label, ticks=
     return "\n".join(out)
 
 
+def set_threads(model, threads=None):
+    """`threads` CPU threads, or one for a model under 100M parameters: its matmuls are too small to
+    gain from more, and lose a lot when another process holds a core."""
+    if threads or sum(p.numel() for p in model.parameters()) < 100e6:
+        torch.set_num_threads(threads or 1)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.model == DEMO and not os.path.isdir(DEMO):
         sys.exit("no --model given and the demo model is missing: build it with python train_demo.py")
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
-    if args.threads or sum(p.numel() for p in model.parameters()) < 100e6:
-        torch.set_num_threads(args.threads or 1)
+    set_threads(model, args.threads)
     if args.prompt_ids is not None:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     elif model.tokenizer is None:

@@ -4,12 +4,23 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import models
+import run
 import train_demo
 import wfd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A model this small decodes fastest on one thread (and far faster on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
@@ -38,3 +49,23 @@ def test_demo_wfd_and_dtv_equal_ar_on_a_held_out_prompt(demo, k):
     ar = wfd.generate(demo, prompt, 40, method="ar")
     assert wfd.generate(demo, prompt, 40, method="wfd", draft_steps=k).tokens == ar.tokens
     assert wfd.generate(demo, prompt, 40, method="dtv", draft_steps=k).tokens == ar.tokens
+
+
+def test_run_py_streams_the_demo_text(demo, capsys):
+    """python run.py --prompt ...: the prompt, then the committed tokens as text, then the stats."""
+    run.main(["--prompt", "def f(x):", "--max-new-tokens", "12"])
+    out = capsys.readouterr().out
+    prompt = demo.tokenizer.encode("def f(x):").ids
+    ar = wfd.generate(demo, prompt, 12, method="ar", eos_token_id=run.default_eos(demo))
+    assert out.startswith(demo.tokenizer.decode(prompt + ar.tokens) + "\n[wfd] 12 tokens")
+
+
+def test_run_py_method_all_and_the_wavefront_picture(capsys):
+    run.main(["--prompt", "import os", "--max-new-tokens", "16", "--method", "all"])
+    assert "outputs identical to AR: yes" in capsys.readouterr().out
+    run.main(["--prompt", "import os", "--max-new-tokens", "40", "--draft-steps", "1", "--show-wavefront"])
+    picture = capsys.readouterr().out.split("[wfd] 40 tokens")[1]
+    header, *rows = picture.splitlines()[1:8]
+    assert header.split()[:2] == ["R", "call"] and header.split()[-1] == "24"  # the first 24 R calls
+    cells = " ".join(rows)
+    assert "1d" in cells and "4=" in cells  # drafts read at depth k=1, tokens committed at T=4

@@ -170,13 +170,20 @@ def draft_then_verify(dec: Decoder, k: int, draft_len: int):
                 break
 
 
+def default_draft_steps(model, num_steps=None):
+    """The draft depth k the checkpoint recommends for its own T (the demo has one), else the paper's
+    max(1, T // 8)."""
+    T = model.num_steps if num_steps is None else num_steps
+    return (model.config.get("wfd_draft_steps") if num_steps is None else None) or max(1, T // 8)
+
+
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
              draft_len=4, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
              on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
     """Greedy decoding. Returns Generation(tokens, stats, logits).
 
-    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default: the
-    config's wfd_draft_steps where it has one and T is the model's, else max(1, T // 8)). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
+    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
+    default_draft_steps). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
     (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
     KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
     AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
@@ -185,9 +192,7 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     as (position, depth reached), and the positions drafted, accepted or rejected after it."""
     prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
     T = model.num_steps if num_steps is None else num_steps
-    k = draft_steps
-    if k is None:  # a draft depth the checkpoint recommends for its own T (the demo has one), else the paper's
-        k = (model.config.get("wfd_draft_steps") if num_steps is None else None) or max(1, T // 8)
+    k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
         raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
     if kv not in ("full", "shared"):
