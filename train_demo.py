@@ -1,7 +1,7 @@
 """Train the demo model in demo/: a small looped LM in Ouro's format, trained on the Python standard
 library's own source, which every machine that runs this has.
 
-    python train_demo.py                      # the demo: ~40 min on 2 CPU cores, writes demo/
+    python train_demo.py                      # the demo: ~36 min on 2 CPU cores, writes demo/
     python train_demo.py --smoke --out DIR    # a few steps on a tiny slice, seconds (the tests run it)
     python train_demo.py --eval               # the README's figures, measured on held-out files
 
