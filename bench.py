@@ -97,11 +97,9 @@ def stdlib_prompts(model, per_file, length=48):
     evaluation uses the first def of each)."""
     if model.tokenizer is None:
         sys.exit("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
-    from train_demo import is_held_out, is_library, stdlib_files  # the held-out split is defined there
+    from train_demo import library_split  # the held-out split is defined there
     prompts = []
-    for rel, text in stdlib_files():
-        if not (is_library(rel) and is_held_out(rel)):
-            continue
+    for rel, text in library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
             prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
                                 ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))

@@ -44,12 +44,12 @@ def default_eos(model):
     return eos[0] if isinstance(eos, list) else eos
 
 
-def draw_wavefront(trace, tokens, drafts, first_pos, num_steps, k, label, ticks=24):
+def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
     """The (position x depth) picture of the first R calls of a WFD run: one column per R call, one
     line per row (a position, named by the token it reads in; a rejected draft and the row that
     replaces it get a line each), the cell holding the depth the row reached in that call.
-    tokens: the committed tokens; drafts: (position, token) of each draft, in order."""
-    trace, drafts = trace[:ticks], iter(drafts)
+    tokens: the committed tokens."""
+    trace = trace[:ticks]
     width = len(str(num_steps)) + 4
     pending, active, lines = {}, {}, []
     for t, tick in enumerate(trace):
@@ -64,8 +64,7 @@ def draw_wavefront(trace, tokens, drafts, first_pos, num_steps, k, label, ticks=
             mark = ("=" if depth == num_steps else "") + verdict + ("d" if tick.get("drafted") == pos + 1 else "")
             active[pos]["cells"][t] = f"{depth}{mark}"
         if "drafted" in tick:
-            pos, token = next(drafts)
-            pending[pos] = token
+            pending[tick["drafted"]] = tick["draft"]
     name_w = max(len(line["name"]) for line in lines)
     out = [" " * name_w + "  R call " + "".join(f"{t + 1:>{width}}" for t in range(len(trace)))]
     for line in lines:
@@ -116,16 +115,11 @@ def main(argv=None):
                 print(model.tokenizer.decode(prompt + shown)[len(model.tokenizer.decode(prompt + shown[:-1])):],
                       end="", flush=True)
         trace = [] if args.show_wavefront and method == "wfd" else None
-        drafts = []
-        def record_draft(pos, tok):  # for the picture: the token each drafted row reads in
-            drafts.append((pos, tok))
-            return tok
         if stream:
             print(args.prompt, end="", flush=True)
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, num_steps=args.steps,
                            draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=eos,
-                           kv=args.kv, on_token=on_token, trace=trace,
-                           draft_hook=record_draft if trace is not None else None)
+                           kv=args.kv, on_token=on_token, trace=trace)
         results[method] = out
         st = out.stats
         if args.json:
@@ -142,7 +136,7 @@ def main(argv=None):
               f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB")
         if trace:
             label = (lambda t: repr(model.tokenizer.decode([t]))) if model.tokenizer else str
-            print(draw_wavefront(trace, out.tokens, drafts, len(prompt), st["num_steps"], st["draft_steps"], label))
+            print(draw_wavefront(trace, out.tokens, len(prompt), st["num_steps"], st["draft_steps"], label))
     if len(methods) > 1 and not args.json:
         same = all(r.tokens == results["ar"].tokens for r in results.values())
         print("outputs identical to AR: " + ("yes" if same else "NO"))

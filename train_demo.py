@@ -6,7 +6,7 @@ library's own source, which every machine that runs this has.
     python train_demo.py --eval               # the README's figures, measured on held-out files
 
 Deterministic: a fixed seed, a fixed step count, files read in sorted order. It trains
-on library code only (see is_library); the library files whose path hashes into HELD_OUT are never
+on library code only (see library_split); the library files whose path hashes into HELD_OUT are never
 trained on: they give the evaluation text and prompts.
 """
 import argparse
@@ -42,7 +42,8 @@ PROMPT_LEN = 48
 
 
 def stdlib_files():
-    """(path relative to the stdlib, text) of every standard-library .py file, in sorted order."""
+    """(path relative to the stdlib, with / separators; text) of every standard-library .py file, in
+    sorted order."""
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for folder, dirs, names in os.walk(root):
@@ -51,19 +52,24 @@ def stdlib_files():
             path = os.path.join(folder, name)
             try:
                 with open(path, encoding="utf-8") as f:
-                    out.append((os.path.relpath(path, root), f.read()))
+                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
             except (UnicodeDecodeError, OSError):
                 pass  # a few test files are deliberately in other encodings
     return out
 
 
-def is_library(rel):
-    parts = rel.replace(os.sep, "/").split("/")
-    return not (NOT_LIBRARY & set(parts[:-1]) or parts[-1].startswith("test"))
+def library_split():
+    """(training files, held-out files): the stdlib's library code as (path, text) pairs in sorted
+    order; one file in HELD_OUT is held out, by a hash of its path."""
+    def is_library(rel):
+        parts = rel.split("/")
+        return not (NOT_LIBRARY & set(parts[:-1]) or parts[-1].startswith("test"))
 
+    def is_held_out(rel):
+        return zlib.crc32(rel.encode()) % HELD_OUT == 0
 
-def is_held_out(rel):
-    return zlib.crc32(rel.replace(os.sep, "/").encode()) % HELD_OUT == 0
+    library = [(rel, text) for rel, text in stdlib_files() if is_library(rel)]
+    return [f for f in library if not is_held_out(f[0])], [f for f in library if is_held_out(f[0])]
 
 
 def train_tokenizer(texts, vocab_size):
@@ -116,8 +122,7 @@ def depth_losses(model, x, y, shallow=None):
 def train(args):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    files = stdlib_files()
-    train_texts = [text for rel, text in files if is_library(rel) and not is_held_out(rel)]
+    train_texts = [text for _, text in library_split()[0]]
     if args.smoke:
         train_texts = train_texts[:20]
     t0 = time.time()
@@ -166,9 +171,9 @@ def train(args):
 def eval_prompts(tok, count=8, length=PROMPT_LEN):
     """The first `length` tokens from the first top-level def of the first `count` held-out library files."""
     prompts = []
-    for rel, text in stdlib_files():
+    for _, text in library_split()[1]:
         i = text.find("\ndef ")
-        if is_library(rel) and is_held_out(rel) and i >= 0:
+        if i >= 0:
             prompts.append(tok.encode(text[i + 1:]).ids[:length])
         if len(prompts) == count:
             break
@@ -186,7 +191,7 @@ def evaluate(args):
     torch.set_num_threads(args.threads)
     model = models.load(args.out)
     tok, T, n = model.tokenizer, model.num_steps, model.args.max_seq_len
-    texts = [text for rel, text in stdlib_files() if is_library(rel) and is_held_out(rel)]
+    texts = [text for _, text in library_split()[1]]
     data = encode(tok, texts)
     chunks = data[:len(data) // (n + 1) * (n + 1)].view(-1, n + 1)
     with torch.no_grad():

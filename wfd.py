@@ -74,10 +74,12 @@ class Decoder:
     def draft(self, row, logits):
         """The greedy token read from `row` at the draft depth: a draft for the next position."""
         self.stats["drafted"] += 1
-        if self.trace is not None:
-            self.trace[-1]["drafted"] = row.pos + 1
         token = int(logits.argmax())
-        return self.draft_hook(row.pos + 1, token) if self.draft_hook else token
+        if self.draft_hook:
+            token = self.draft_hook(row.pos + 1, token)
+        if self.trace is not None:
+            self.trace[-1].update(drafted=row.pos + 1, draft=token)
+        return token
 
     def verify(self, row, logits):
         """Is the draft that `row` carries the greedy token of the full-depth logits before it?"""
@@ -173,8 +175,9 @@ def draft_then_verify(dec: Decoder, k: int, draft_len: int):
 def default_draft_steps(model, num_steps=None):
     """The draft depth k the checkpoint recommends for its own T (the demo has one), else the paper's
     max(1, T // 8)."""
-    T = model.num_steps if num_steps is None else num_steps
-    return (model.config.get("wfd_draft_steps") if num_steps is None else None) or max(1, T // 8)
+    if num_steps is None and model.config.get("wfd_draft_steps"):
+        return model.config["wfd_draft_steps"]
+    return max(1, (num_steps or model.num_steps) // 8)
 
 
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
@@ -189,7 +192,8 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
     each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
     called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
-    as (position, depth reached), and the positions drafted, accepted or rejected after it."""
+    as (position, depth reached), and the positions drafted (with the draft token), accepted or
+    rejected after it."""
     prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
