@@ -20,6 +20,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -195,8 +196,8 @@ class LoopedLM(nn.Module):
         return self.embed.weight.dtype
 
     # -- the three calls --------------------------------------------------------------------------
-    # pos: int64 positions of the rows (a CPU tensor: its max is read without a device sync);
-    # cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
+    # pos: int64 positions of the rows, -1 for an idle lane (a CPU tensor: its max is read without a
+    # device sync); cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
 
     def P(self, ids, pos, cache=None):
         x = self.embed(ids.to(self.device))
@@ -222,11 +223,12 @@ class LoopedLM(nn.Module):
         return self.lm_head(s if rows is None else s[rows]).float()
 
     def _layers(self, blocks, x, pos, depth, cache):
-        p = pos.to(self.device)
+        # positions, RoPE rows, KV columns and masks: built once per call, not once per layer
+        p = pos.clamp(min=0).to(self.device, non_blocking=True)  # idle lanes (-1) take any RoPE row
         cos, sin = self.rope_cos[p], self.rope_sin[p]
+        step = None if cache is None else cache.prepare(pos, depth)
         for blk in blocks:
-            attend = causal_attention if cache is None else (
-                lambda q, k, v, layer=blk.layer_id: cache.attend(layer, depth, pos, q, k, v))
+            attend = causal_attention if step is None else partial(step.attend, blk.layer_id)
             x = blk(x, cos, sin, attend)
         return x
 
@@ -239,6 +241,9 @@ class LoopedLM(nn.Module):
             return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
         rows = []
         for p in pos.tolist():
+            if p < 0:  # an idle lane
+                rows.append(torch.zeros(a.dim))
+                continue
             key = hashlib.blake2b(f"{self.seed},{p}".encode(), digest_size=4).digest()
             g = torch.Generator().manual_seed(int.from_bytes(key, "little"))  # CPU generators keep 32 bits
             rows.append(nn.init.trunc_normal_(torch.empty(a.dim), std=a.init_std, a=-3 * a.init_std,

@@ -449,7 +449,7 @@ def test_shared_kv_memory_is_at_least_10x_smaller():
     config = dict(tiny_config("huginn", 0), mean_recurrence=32, block_size=2048)
     model = models.from_config(config, init_seed=0)
     full = KVCache(model, capacity=1024, num_steps=32)
-    shared = kv.SharedKVCache(model, capacity=1024, num_steps=32, window=8, prompt_len=16)
+    shared = kv.SharedKVCache(model, capacity=1024, num_steps=32, window=8)
     allocated = lambda c: sum(t.nbytes for t in vars(c).values() if torch.is_tensor(t))
     assert allocated(full) == full.nbytes and allocated(shared) == shared.nbytes
     assert full.nbytes >= 10 * shared.nbytes

@@ -18,9 +18,13 @@ from kv import KVCache, SharedKVCache
 class Row:
     pos: int                 # the position this row computes (its token sits there)
     token: int
-    depth: int               # completed recurrences
-    s: torch.Tensor          # state [1, D]
-    e: Optional[torch.Tensor]  # Huginn's injection [1, D]; None for Ouro
+    depth: int = 0           # completed recurrences; the state itself lives in lane pos % width
+
+
+@dataclass
+class Readout:
+    token: int               # the token this row's logits choose for the next position
+    logits: torch.Tensor     # [V], on the model's device
 
 
 @dataclass
@@ -32,72 +36,93 @@ class Generation:
 
 class Decoder:
     """One generation in flight: the model, its cache, the committed tokens and the counters.
-    Every schedule is written in terms of start / advance / read / commit."""
+    Every schedule is written in terms of start / advance / read / commit.
 
-    def __init__(self, model, prompt, max_new_tokens, num_steps, window, eos_token_id, draft_hook,
-                 on_token, trace, keep_logits):
-        self.model, self.prompt, self.num_steps = model, prompt, num_steps
+    After the prefill every P, R and C call runs `width` lanes, whichever rows are in flight: a row
+    at position p lives in lane p % width, idle lanes are padded in (position -1) and their outputs
+    dropped. So a row's arithmetic never depends on the other rows of its call, and a schedule
+    computes the same bits as AR at the same width, in any dtype (README, "Exact in every precision")."""
+
+    def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, window=None, eos_token_id=None,
+                 draft_hook=None, on_token=None, trace=None, keep_logits=False):
+        self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.cache = (KVCache(model, self.last_pos + 1, num_steps) if window is None else
-                      SharedKVCache(model, self.last_pos + 1, num_steps, window, len(prompt)))
+                      SharedKVCache(model, self.last_pos + 1, num_steps, window))
+        lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
+        self.s, self.e = lanes, (lanes.clone() if model.kind == "huginn" else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
+    def lanes(self, rows, value):
+        """A host tensor [width]: value(row) in each row's lane, -1 in the idle ones."""
+        out = [-1] * self.width
+        for r in rows:
+            out[r.pos % self.width] = value(r)
+        return torch.tensor(out)
+
     def start(self, pos, token):
         """P: a new row at depth 0."""
-        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache)
-        return Row(pos, token, 0, s, e)
+        row = Row(pos, token)
+        lane = pos % self.width
+        e, s = self.model.P(self.lanes([row], lambda r: r.token).clamp(min=0), self.lanes([row], lambda r: r.pos),
+                            self.cache)
+        self.s[lane] = s[lane]
+        if e is not None:
+            self.e[lane] = e[lane]
+        return row
 
     def advance(self, rows):
-        """R: one batched call moves every row one recurrence deeper, each at its own depth."""
-        pos = torch.tensor([r.pos for r in rows])
-        depths = {r.depth for r in rows}
-        depth = depths.pop() if len(depths) == 1 else torch.tensor([r.depth for r in rows])
-        e = None if rows[0].e is None else torch.cat([r.e for r in rows])
-        s = self.model.R(torch.cat([r.s for r in rows]), e, pos, depth, self.cache)
-        for i, r in enumerate(rows):
-            r.s, r.depth = s[i:i + 1], r.depth + 1
+        """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
+        keep their state (draft-then-verify's rows waiting for the verify pass)."""
+        depth = self.lanes(rows, lambda r: r.depth).clamp(min=0)
+        s = self.model.R(self.s, self.e, self.lanes(rows, lambda r: r.pos), depth, self.cache)
+        busy = (self.lanes(rows, lambda r: 1) > 0).to(s.device, non_blocking=True)[:, None]
+        self.s = torch.where(busy, s, self.s)
+        for r in rows:
+            r.depth += 1
         if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
             self.trace.append(dict(rows=[(r.pos, r.depth) for r in rows]))
         self.stats["r_calls"] += 1
         self.stats["rows"] += len(rows)
 
     def read(self, rows):
-        """C: the logits after each row, in one call."""
-        pos = torch.tensor([r.pos for r in rows])
+        """C: each row's logits and the token they choose, in one call and one read to the host."""
+        pos = self.lanes(rows, lambda r: r.pos)
         self.stats["c_calls"] += 1
-        return self.model.C(torch.cat([r.s for r in rows]), pos, self.cache)
+        return self.choose(self.model.C(self.s, pos, self.cache), [r.pos % self.width for r in rows])
 
-    def draft(self, row, logits):
-        """The greedy token read from `row` at the draft depth: a draft for the next position."""
+    def choose(self, logits, rows):
+        """Readouts of logits[rows]: the tokens of all rows come to the host in one transfer."""
+        return [Readout(t, logits[i]) for t, i in zip(logits[rows].argmax(-1).tolist(), rows)]
+
+    def draft(self, row, out: Readout):
+        """The token read from `row` at the draft depth: a draft for the next position."""
         self.stats["drafted"] += 1
-        token = int(logits.argmax())
-        if self.draft_hook:
-            token = self.draft_hook(row.pos + 1, token)
+        token = self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
         if self.trace is not None:
             self.trace[-1].update(drafted=row.pos + 1, draft=token)
         return token
 
-    def verify(self, row, logits):
-        """Is the draft that `row` carries the greedy token of the full-depth logits before it?"""
-        ok = row.token == int(logits.argmax())
+    def verify(self, row, target: Readout):
+        """Is the draft that `row` carries the token of the full-depth logits before it?"""
+        ok = row.token == target.token
         self.stats["accepted" if ok else "rejected"] += 1
         if self.trace is not None:
             self.trace[-1]["accepted" if ok else "rejected"] = row.pos
         return ok
 
-    def commit(self, logits):
-        """Append the greedy token of full-depth logits; True when generation is over."""
-        token = int(logits.argmax())
-        self.tokens.append(token)
+    def commit(self, out: Readout):
+        """Append the token of full-depth logits; True when generation is over."""
+        self.tokens.append(out.token)
         if self.logits is not None:
-            self.logits.append(logits)
+            self.logits.append(out.logits)
         if self.on_token:
-            self.on_token(token)
-        return len(self.tokens) >= self.max_new_tokens or token == self.eos_token_id
+            self.on_token(out.token)
+        return len(self.tokens) >= self.max_new_tokens or out.token == self.eos_token_id
 
     def prefill(self):
         """The whole prompt at full depth, all KV slots written; commits the first new token."""
@@ -109,7 +134,7 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        return self.commit(self.model.C(s, pos, self.cache, rows=[n - 1])[0])
+        return self.commit(self.choose(self.model.C(s, pos, self.cache, rows=[n - 1]), [0])[0])
 
 
 def autoregressive(dec: Decoder):
@@ -181,12 +206,13 @@ def default_draft_steps(model, num_steps=None):
 
 
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
+             draft_len=4, width=None, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
              on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
     """Greedy decoding. Returns Generation(tokens, stats, logits).
 
     num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
-    default_draft_steps). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
+    default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the prefill
+    (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain decoding). kv: "full" (a KV slot per depth) or "shared"
     (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
     KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
     AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
@@ -214,6 +240,10 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
         raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T} (the full depth)")
     if draft_len < 1:
         raise ValueError(f"draft_len must be at least 1, not {draft_len}")
+    need = ceil(T / k) if method == "wfd" else draft_len + 1 if method == "dtv" else 1
+    width = (draft_len + 1 if method == "dtv" else ceil(T / k)) if width is None else width
+    if not isinstance(width, int) or width < need:
+        raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows per call")
     if kv == "full" and window is not None:
         raise ValueError("window only applies to kv='shared'")
     if kv == "shared":
@@ -232,8 +262,9 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        dec = Decoder(model, prompt, max_new_tokens, T, window, eos_token_id, draft_hook, on_token, trace,
-                      keep_logits)
+        dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, window=window,
+                      eos_token_id=eos_token_id, draft_hook=draft_hook, on_token=on_token, trace=trace,
+                      keep_logits=keep_logits)
         if not dec.prefill():
             if method == "ar":
                 autoregressive(dec)
@@ -249,5 +280,6 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     st.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=len(dec.tokens),
               acceptance=st["accepted"] / verified if verified else float("nan"),
               r_calls_per_token=st["r_calls"] / len(dec.tokens), wall_s=wall,
-              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv, window=window)
+              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv, window=window,
+              width=width)
     return Generation(dec.tokens, st, dec.logits)
