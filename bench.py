@@ -32,17 +32,21 @@ import models
 import wfd
 from run import DEMO, DTYPES, default_eos, set_threads
 
-# name: (wfd.generate method, kv, label, the run whose output it must equal)
+# name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
+# Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
+# one row per call, is the speed baseline.
 METHODS = {
-    "ar": ("ar", "full", "AR", "ar"),
-    "dtv": ("dtv", "full", "DtV", "ar"),
-    "wfd": ("wfd", "full", "WFD", "ar"),
-    "ar-shared": ("ar", "shared", "AR, shared KV", "ar-shared"),
-    "wfd-shared": ("wfd", "shared", "WFD, shared KV", "ar-shared"),
+    "ar": ("ar", "full", 1, "AR", "ar"),
+    "ar-wave": ("ar", "full", "wave", "AR, wavefront width", "ar-wave"),
+    "ar-dtv": ("ar", "full", "dtv", "AR, DtV width", "ar-dtv"),
+    "dtv": ("dtv", "full", "dtv", "DtV", "ar-dtv"),
+    "wfd": ("wfd", "full", "wave", "WFD", "ar-wave"),
+    "ar-shared": ("ar", "shared", "wave", "AR, shared KV", "ar-shared"),
+    "wfd-shared": ("wfd", "shared", "wave", "WFD, shared KV", "ar-shared"),
 }
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-COLUMNS = ["method", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
-           "R calls/token", "KV MiB", "identical"]
+COLUMNS = ["method", "width", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
+           "R calls/token", "KV MiB", "identical", "AR match"]
 LEGEND = """\
 - tok/s: mean over prompts of new tokens / time, prefill included (wall clock, or the process's CPU
   time with --clock cpu); speedup: that mean divided by AR's, as Spec-Bench computes it. decode
@@ -54,8 +58,10 @@ LEGEND = """\
   accepted drafts between restarts, about 1 / (1 - acceptance). AR: 1.
 - acceptance: accepted / verified drafts. R calls/token: sequential recurrences per token, prefill
   included. KV MiB: the KV cache allocated, mean over prompts.
-- identical: share of prompts whose tokens equal AR's (shared-KV runs: AR's with the same sharing);
-  100% is required of every method."""
+- width: rows per P/R/C call. identical: share of prompts whose tokens and logits equal the
+  method's exact reference, AR at the same width (shared-KV runs: with the same sharing); 100% is
+  required of every method. AR match: share of token positions equal to plain (1-row) AR's, which
+  in reduced precision may part from the others at a near tie."""
 
 # -- prompts ----------------------------------------------------------------------------------------
 
@@ -118,7 +124,8 @@ def random_prompts(model, n, length, seed):
 def run(model, prompt, name, args, max_new_tokens, ref=None):
     """Decode one prompt with one method. With args.acceptance, each draft becomes ref's token with
     that probability and a wrong token otherwise (ref: the reference run's tokens)."""
-    method, kv, _, _ = METHODS[name]
+    method, kv, width, _, _ = METHODS[name]
+    width = dict(wave=None, dtv=args.draft_len + 1).get(width, width)
     offset, vocab = len(prompt["ids"]), model.args.vocab_size
     rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
     drafts, times = {}, []
@@ -134,7 +141,8 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     start = clock()
     out = wfd.generate(model, prompt["ids"], max_new_tokens, method=method, num_steps=args.steps,
                        draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=prompt["eos"],
-                       kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()))
+                       width=width, kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()),
+                       keep_logits=True)
     end = clock()
     tokens = out.tokens
     # a committed token is an accepted draft iff it equals the last draft for its position; each
@@ -147,8 +155,8 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
         else:
             lengths.append(1)
     decode = (len(tokens) - 1) / (end - times[0]) if len(tokens) > 1 else float("nan")
-    return dict(tokens=tokens, stats=out.stats, accept_lengths=lengths, time_s=end - start,
-                tok_s=len(tokens) / (end - start), decode_tok_s=decode)
+    return dict(tokens=tokens, logits=torch.stack(out.logits).cpu(), stats=out.stats, accept_lengths=lengths,
+                time_s=end - start, tok_s=len(tokens) / (end - start), decode_tok_s=decode)
 
 
 # -- tables -----------------------------------------------------------------------------------------
@@ -167,7 +175,8 @@ def summarize(recs):
                 per_round=tokens / (tokens - accepted), acceptance=accepted / verified if verified else float("nan"),
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
                 kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
-                identical=sum(r["identical"] for r in recs) / len(recs))
+                identical=sum(r["identical"] for r in recs) / len(recs),
+                ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"])
 
 
 def table(results, names, ids):
@@ -178,10 +187,10 @@ def table(results, names, ids):
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for n, f in figs.items():
         lines.append("| " + " | ".join([
-            METHODS[n][2], fmt(f["tok_s"], ".2f"), fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
+            METHODS[n][3], str(f["width"]), fmt(f["tok_s"], ".2f"), fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
             fmt(f["decode_tok_s"] / ar["decode_tok_s"], ".2f") + "x", fmt(f["per_round"], ".2f"),
             fmt(f["acceptance"], ".3f"), fmt(f["r_per_token"], ".2f"), fmt(f["kv_mib"], ".1f"),
-            f"{100 * f['identical']:.0f}%"]) + " |")
+            f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"]) + " |")
     return "\n".join(lines), figs
 
 
@@ -208,7 +217,7 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=4, help="random-id prompts, for models without a tokenizer")
     p.add_argument("--prompt-len", type=int, default=16, help="length of each random-id prompt")
     p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
-                   "AR always runs, and AR with shared KV runs with WFD's (its reference)")
+                   "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none)")
@@ -277,10 +286,12 @@ def run_all(model, prompts, names, args, log):
     results = defaultdict(list)  # name -> one result per prompt
     for i, prompt in enumerate(prompts):
         for name in names:
-            ref_name = METHODS[name][3]
-            ref = results[ref_name][i]["tokens"] if ref_name != name else None
-            r = run(model, prompt, name, args, args.max_new_tokens, ref)
-            r.update(identical=ref is None or r["tokens"] == ref, prompt=prompt)
+            ref = results[METHODS[name][4]][i] if METHODS[name][4] != name else None
+            r = run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"])
+            plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
+            r.update(identical=ref is None or r["tokens"] == ref["tokens"] and torch.equal(r["logits"], ref["logits"]),
+                     ar_match=sum(a == b for a, b in zip(r["tokens"], plain)) / max(len(r["tokens"]), len(plain)),
+                     prompt=prompt)
             results[name].append(r)
             st = r["stats"]
             log(f"[{i + 1}/{len(prompts)} {prompt['category']}] {name:>10}: {st['tokens']} tokens in "
@@ -314,7 +325,7 @@ def print_summary(model, model_id, prompts, source, names, results, args, argv):
     per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
                 for n in names}
     print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
-          + ", ".join(f"{METHODS[n][2]} {1000 * t:.1f} ms" for n, t in per_call.items()))
+          + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
     if args.acceptance is not None and "wfd" in figs:
         A, a = args.acceptance, figs["wfd"]["acceptance"]
         ideal = lambda A: T / (A * k + (1 - A) * T)
@@ -348,8 +359,8 @@ def main(argv=None):
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         sys.exit(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    # AR always runs (the baseline), and AR with shared KV whenever WFD with shared KV does (its reference)
-    names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or n == "ar-shared" and "wfd-shared" in names)]
+    # plain AR always runs (the baseline), and each method's exact reference before the method
+    names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
     prompts, source = load_prompts(model, args, log)
     results = run_all(model, prompts, names, args, log)

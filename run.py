@@ -25,6 +25,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
+    p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, draft-len + 1 "
+                   "for dtv); --method ar --width 1 is plain decoding")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--kv", default="full", choices=["full", "shared"], help="KV cache: per depth, or shared across depths")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -104,7 +106,8 @@ def main(argv=None):
     else:
         prompt = model.tokenizer.encode(args.prompt).ids
     eos = args.eos if args.eos is not None else default_eos(model)
-    methods = ["ar", "dtv", "wfd"] if args.method == "all" else [args.method]
+    # all: plain AR (the speed baseline), then each schedule after AR at its width (its exact reference)
+    methods = ["ar1", "ar", "wfd", "ar-dtv", "dtv"] if args.method == "all" else [args.method]
     stream = not args.json and len(methods) == 1 and model.tokenizer is not None
     results = {}
     for method in methods:
@@ -117,9 +120,11 @@ def main(argv=None):
         trace = [] if args.show_wavefront and method == "wfd" else None
         if stream:
             print(args.prompt, end="", flush=True)
-        out = wfd.generate(model, prompt, args.max_new_tokens, method=method, num_steps=args.steps,
-                           draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=eos,
-                           kv=args.kv, on_token=on_token, trace=trace)
+        width = {"ar1": 1, "ar-dtv": args.draft_len + 1}.get(method, args.width)
+        out = wfd.generate(model, prompt, args.max_new_tokens, method=method[:2] if method[:2] == "ar" else method,
+                           num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
+                           width=width, eos_token_id=eos, kv=args.kv, on_token=on_token, trace=trace,
+                           keep_logits=len(methods) > 1)
         results[method] = out
         st = out.stats
         if args.json:
@@ -132,17 +137,20 @@ def main(argv=None):
         else:
             print(f"[{method}] {out.tokens}")
         print(f"[{method}] {st['tokens']} tokens, {st['r_calls']} R calls ({st['r_calls_per_token']:.2f}/token), "
-              f"T={st['num_steps']} k={st['draft_steps']}, acceptance {st['acceptance']:.2f}, "
+              f"T={st['num_steps']} k={st['draft_steps']} width {st['width']}, acceptance {st['acceptance']:.2f}, "
               f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB")
         if trace:
             label = (lambda t: repr(model.tokenizer.decode([t]))) if model.tokenizer else str
             print(draw_wavefront(trace, out.tokens, len(prompt), st["num_steps"], st["draft_steps"], label))
     if len(methods) > 1 and not args.json:
-        same = all(r.tokens == results["ar"].tokens for r in results.values())
-        print("outputs identical to AR: " + ("yes" if same else "NO"))
+        same = lambda a, b: a.tokens == b.tokens and torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+        exact = same(results["wfd"], results["ar"]) and same(results["dtv"], results["ar-dtv"])
+        print("outputs identical to AR at the same width (tokens and logits): " + ("yes" if exact else "NO"))
+        plain = results["ar1"]
         for method, r in results.items():
-            print(f"  {method:>3}: {r.stats['tokens_per_s'] / results['ar'].stats['tokens_per_s']:.2f}x AR "
-                  f"({r.stats['r_calls_per_token']:.2f} R calls/token)")
+            match = sum(a == b for a, b in zip(r.tokens, plain.tokens)) / max(len(r.tokens), len(plain.tokens))
+            print(f"  {method:>6}: width {r.stats['width']}, {r.stats['tokens_per_s'] / plain.stats['tokens_per_s']:.2f}x "
+                  f"plain AR, {r.stats['r_calls_per_token']:.2f} R calls/token, {100 * match:.0f}% of plain AR's tokens")
 
 
 if __name__ == "__main__":

@@ -49,11 +49,11 @@ def test_golden_checkpoint(capsys, tmp_path):
                                    "--out", str(tmp_path)])
     assert HEADER in text
     table = rows(text)
-    assert [r[0] for r in table.values()] == [bench.METHODS[n][2] for n in out["names"]]
+    assert [r[0] for r in table.values()] == [bench.METHODS[n][3] for n in out["names"]]
     assert {"ar", "dtv", "wfd"} <= set(out["names"])
     for cells in table.values():
-        assert len(cells) == len(bench.COLUMNS) and cells[-1] == "100%"  # every mode is exact
-    assert table["AR"][2] == "1.00x" and table["AR"][6] == "4.00"
+        assert len(cells) == len(bench.COLUMNS) and cells[-2] == "100%"  # every mode is exact
+    assert table["AR"][3] == "1.00x" and table["AR"][7] == "4.00" and table["AR"][1] == "1"
     check_answers(tmp_path, "ouro_A", out)
 
 
@@ -63,7 +63,7 @@ def test_demo_stdlib_prompts(capsys, tmp_path):
     out, text = run_bench(capsys, ["--limit", "3", "--max-new-tokens", "8", "--warmup", "2", "--out", str(tmp_path)])
     assert "### overall (3 prompts)" in text and "held-out stdlib" in text
     for cells in rows(text).values():
-        assert cells[-1] == "100%"
+        assert cells[-2] == "100%"
     check_answers(tmp_path, "demo", out)
 
 
@@ -75,7 +75,7 @@ def test_specbench_questions(capsys):
                                    "--max-new-tokens", "8", "--warmup", "0", "--methods", "wfd", "--out", ""])
     assert "### qa (1 prompts)" in text and "### math_reasoning (1 prompts)" in text
     assert [p["prompt"]["question_id"] for p in out["results"]["ar"]] == [321, 401]
-    assert all(cells[-1] == "100%" for cells in rows(text).values())
+    assert all(cells[-2] == "100%" for cells in rows(text).values())
 
 
 def test_random_weights_emulated(capsys, tmp_path):
@@ -85,7 +85,7 @@ def test_random_weights_emulated(capsys, tmp_path):
                                    "--max-new-tokens", "16", "--warmup", "0", "--out", str(tmp_path)])
     assert "emulated acceptance A=0.8" in text and "Ideal WFD speedup" in text
     for cells in rows(text).values():
-        assert cells[-1] == "100%"
+        assert cells[-2] == "100%"
     check_answers(tmp_path, "config-random", out)
 
 

@@ -43,12 +43,17 @@ def test_demo_is_an_ouro_checkpoint_with_its_tokenizer(demo):
     assert demo.tokenizer.decode(demo.tokenizer.encode(text).ids) == text
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_demo_wfd_and_dtv_equal_ar_on_a_held_out_prompt(demo, k):
-    prompt = train_demo.eval_prompts(demo.tokenizer, count=1)[0]
-    ar = wfd.generate(demo, prompt, 40, method="ar")
-    assert wfd.generate(demo, prompt, 40, method="wfd", draft_steps=k).tokens == ar.tokens
-    assert wfd.generate(demo, prompt, 40, method="dtv", draft_steps=k).tokens == ar.tokens
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_demo_wfd_and_dtv_equal_ar_on_held_out_prompts(dtype):
+    """Tokens and logits bit for bit against AR at the same width, at every draft depth."""
+    model = models.load(os.path.join(HERE, "demo"), dtype=dtype)
+    for prompt in train_demo.eval_prompts(model.tokenizer, count=2):
+        for k in (1, 2, 3):
+            for method, width in (("wfd", None), ("dtv", 5)):
+                out = wfd.generate(model, prompt, 40, method=method, draft_steps=k, keep_logits=True)
+                ar = wfd.generate(model, prompt, 40, method="ar", draft_steps=k, width=width, keep_logits=True)
+                assert out.tokens == ar.tokens, (method, k)
+                assert torch.equal(torch.stack(out.logits), torch.stack(ar.logits)), (method, k)
 
 
 def test_run_py_streams_the_demo_text(demo, capsys):
@@ -62,7 +67,7 @@ def test_run_py_streams_the_demo_text(demo, capsys):
 
 def test_run_py_method_all_and_the_wavefront_picture(capsys):
     run.main(["--prompt", "import os", "--max-new-tokens", "16", "--method", "all"])
-    assert "outputs identical to AR: yes" in capsys.readouterr().out
+    assert "outputs identical to AR at the same width (tokens and logits): yes" in capsys.readouterr().out
     run.main(["--prompt", "import os", "--max-new-tokens", "40", "--draft-steps", "1", "--show-wavefront"])
     picture = capsys.readouterr().out.split("[wfd] 40 tokens")[1]
     header, *rows = picture.splitlines()[1:8]
