@@ -69,7 +69,7 @@ class KVCache:
         else:  # rows at different depths (the wavefront): each row reads its own slot
             slots = step.depth * self.n_core + layer
             self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v
-            y = F.scaled_dot_product_attention(q[:, :, None], self.k[slots], self.v[slots],
+            y = F.scaled_dot_product_attention(q[:, :, None], self.k.index_select(0, slots), self.v.index_select(0, slots),
                                                attn_mask=step.visible[:, None, None], enable_gqa=True)
             return y[:, :, 0]
         self.k[slot][:, step.col], self.v[slot][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)

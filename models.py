@@ -225,7 +225,7 @@ class LoopedLM(nn.Module):
     def _layers(self, blocks, x, pos, depth, cache):
         # positions, RoPE rows, KV columns and masks: built once per call, not once per layer
         p = pos.clamp(min=0).to(self.device, non_blocking=True)  # idle lanes (-1) take any RoPE row
-        cos, sin = self.rope_cos[p], self.rope_sin[p]
+        cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
         step = None if cache is None else cache.prepare(pos, depth)
         for blk in blocks:
             attend = causal_attention if step is None else partial(step.attend, blk.layer_id)
