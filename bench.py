@@ -141,7 +141,7 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     start = clock()
     out = wfd.generate(model, prompt["ids"], max_new_tokens, method=method, num_steps=args.steps,
                        draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=prompt["eos"],
-                       width=width, kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()),
+                       width=width, capacity=args.capacity, kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()),
                        keep_logits=True)
     end = clock()
     tokens = out.tokens
@@ -225,6 +225,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
                    "else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per DtV round")
+    p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens); every "
+                   "call attends over all of them")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's; float32 for random weights")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "

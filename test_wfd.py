@@ -413,6 +413,8 @@ def test_bad_input_gives_clear_errors(ouro):
         wfd.generate(ouro, [1], 5, draft_steps=1, width=1)
     with pytest.raises(ValueError, match="width 4 is too small: dtv needs at least 5 rows per call"):
         wfd.generate(ouro, [1], 5, method="dtv", width=4)
+    with pytest.raises(ValueError, match=r"capacity 5 must hold the prompt and the new tokens but the last \(6\)"):
+        wfd.generate(ouro, [1, 2], 5, capacity=5)
     with pytest.raises(ValueError, match="method must be"):
         wfd.generate(ouro, [1], 5, method="beam")
     with pytest.raises(ValueError, match=r"state has shape \(3, 64\), expected \(2, 64\)"):

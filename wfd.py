@@ -43,15 +43,16 @@ class Decoder:
     dropped. So a row's arithmetic never depends on the other rows of its call, and a schedule
     computes the same bits as AR at the same width, in any dtype (README, "Exact in every precision")."""
 
-    def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, window=None, eos_token_id=None,
-                 draft_hook=None, on_token=None, trace=None, keep_logits=False):
+    def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
+                 eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
-        self.cache = (KVCache(model, self.last_pos + 1, num_steps) if window is None else
-                      SharedKVCache(model, self.last_pos + 1, num_steps, window))
+        capacity = capacity or self.last_pos + 1
+        self.cache = (KVCache(model, capacity, num_steps) if window is None else
+                      SharedKVCache(model, capacity, num_steps, window))
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
         self.s, self.e = lanes, (lanes.clone() if model.kind == "huginn" else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
@@ -206,13 +207,15 @@ def default_draft_steps(model, num_steps=None):
 
 
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, width=None, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
+             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
              on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
     """Greedy decoding. Returns Generation(tokens, stats, logits).
 
     num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
     default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the prefill
-    (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain decoding). kv: "full" (a KV slot per depth) or "shared"
+    (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain decoding).
+    capacity: positions the KV cache holds (default: the prompt and the new tokens but the last;
+    attention always reads all of them, so a fixed capacity gives every generation the same shapes). kv: "full" (a KV slot per depth) or "shared"
     (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
     KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
     AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
@@ -244,6 +247,9 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     width = (draft_len + 1 if method == "dtv" else ceil(T / k)) if width is None else width
     if not isinstance(width, int) or width < need:
         raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows per call")
+    if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
+        raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
+                         f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
     if kv == "full" and window is not None:
         raise ValueError("window only applies to kv='shared'")
     if kv == "shared":
@@ -262,7 +268,7 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, window=window,
+        dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,
                       eos_token_id=eos_token_id, draft_hook=draft_hook, on_token=on_token, trace=trace,
                       keep_logits=keep_logits)
         if not dec.prefill():
