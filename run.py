@@ -129,7 +129,7 @@ def main(argv=None):
         results[method] = out
         st = out.stats
         if args.json:
-            print(json.dumps(dict(tokens=out.tokens, **st)))
+            print(json.dumps({**st, "tokens": out.tokens}))  # the token ids, in place of their count
             continue
         if stream:
             print()

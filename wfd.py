@@ -107,6 +107,7 @@ class Decoder:
         self.cache = (KVCache(model, self.last_pos + 1, num_steps) if window is None else
                       SharedKVCache(model, self.last_pos + 1, num_steps, window, len(prompt)))
         self.tokens, self.logits = [], [] if keep_logits else None
+        self.chosen = None  # (logits, pos, token) of the last choice
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
     def start(self, pos, token):
@@ -135,8 +136,11 @@ class Decoder:
         return self.model.C(torch.cat([r.s for r in rows]), pos, self.cache)
 
     def choose(self, logits, pos):
-        """The token at `pos` chosen from the logits [V] of the row before it."""
-        return int(choose(logits[None], torch.tensor([pos]), self.sampling)[0])
+        """The token at `pos` chosen from the logits [V] of the row before it. Verify and commit ask
+        for the same token in turn; it is drawn once, as sampling costs up to a C call on a small model."""
+        if self.chosen is None or self.chosen[0] is not logits or self.chosen[1] != pos:
+            self.chosen = (logits, pos, int(choose(logits[None], torch.tensor([pos]), self.sampling)[0]))
+        return self.chosen[2]
 
     def draft(self, row, logits):
         """The token read from `row` at the draft depth: a draft for the next position."""
