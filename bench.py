@@ -141,8 +141,9 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     start = clock()
     out = wfd.generate(model, prompt["ids"], max_new_tokens, method=method, num_steps=args.steps,
                        draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=prompt["eos"],
-                       width=width, capacity=args.capacity, kv=kv, draft_hook=hook, on_token=lambda t: times.append(clock()),
-                       keep_logits=True)
+                       width=width, capacity=args.capacity, kv=kv, draft_hook=hook,
+                       on_token=lambda t: times.append(clock()), keep_logits=True, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     end = clock()
     tokens = out.tokens
     # a committed token is an accepted draft iff it equals the last draft for its position; each
@@ -233,7 +234,12 @@ def parse_args(argv=None):
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
                    "parameters, else torch's default)")
-    p.add_argument("--seed", type=int, default=0, help="seeds prompts, the acceptance stream, Huginn's s0")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample "
+                   "(every method gives AR's sampled tokens with the same seed)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, the acceptance stream, the sampling "
+                   "noise, Huginn's s0")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default="bench_out", help="folder for the JSONL answers ('' for none)")
     return p.parse_args(argv)
@@ -303,6 +309,13 @@ def run_all(model, prompts, names, args, log):
     return results
 
 
+def decoding(args):
+    if args.temperature == 0:
+        return "greedy"
+    filters = "".join(f", {name} {v}" for name, v in (("top-k", args.top_k), ("top-p", args.top_p)) if v is not None)
+    return f"sampled at temperature {args.temperature}{filters}, seed {args.seed}"
+
+
 def print_summary(model, model_id, prompts, source, names, results, args, argv):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
@@ -315,7 +328,7 @@ def print_summary(model, model_id, prompts, source, names, results, args, argv):
           f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
     print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
-          f"up to {args.max_new_tokens} new tokens, greedy, batch 1\n")
+          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, batch 1\n")
     by_cat = defaultdict(list)
     for i, p in enumerate(prompts):
         by_cat[p["category"]].append(i)

@@ -33,7 +33,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
                    "whose matmuls are too small to share between cores; else torch's default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of Huginn's random initial state")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample, "
+                   "with the same tokens from every method")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
+    p.add_argument("--seed", type=int, default=0, help="the run's randomness: the sampling noise and "
+                   "Huginn's random initial state")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method instead of text")
@@ -124,11 +129,12 @@ def main(argv=None):
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method[:2] if method[:2] == "ar" else method,
                            num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
                            width=width, eos_token_id=eos, kv=args.kv, on_token=on_token, trace=trace,
-                           keep_logits=len(methods) > 1)
+                           keep_logits=len(methods) > 1, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed)
         results[method] = out
         st = out.stats
         if args.json:
-            print(json.dumps(dict(tokens=out.tokens, **st)))
+            print(json.dumps({**st, "tokens": out.tokens}))  # the token ids, in place of their count
             continue
         if stream:
             print()

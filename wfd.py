@@ -1,9 +1,13 @@
-"""Greedy decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD).
+"""Decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD).
 
-All three produce greedy AR's tokens. They differ in how they schedule rows, a row being one token
-position at one depth, through the model's three calls P (start a row), R (advance rows by one
-recurrence) and C (read a token out of a row). See README.md, "The method in the code".
+All three produce AR's tokens, greedy or sampled (`choose`). They differ in how they schedule rows,
+a row being one token position at one depth, through the model's three calls P (start a row), R
+(advance rows by one recurrence) and C (read a token out of a row). See README.md, "The method in the
+code" and "Sampling".
 """
+import functools
+import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from math import ceil
@@ -12,6 +16,65 @@ from typing import Callable, Optional
 import torch
 
 from kv import KVCache, SharedKVCache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0: greedy
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+
+
+M32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """lowbias32 (C. Wellons' hash prospector), on 32-bit values held in int64. Every product stays
+    below 2^63, so CPU and GPU compute the same integers: an int64 overflow would be undefined."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x046CA68B + ((x & 1) << 31)) & M32  # x * 0x846CA68B, its top bit's product added apart
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=4)
+def token_keys(vocab, device):
+    """mix32 of every token id: the same for every call, and a third of the hash's work."""
+    return mix32(torch.arange(vocab, device=device))
+
+
+def gumbel(seed, pos, vocab):
+    """Gumbel noise g(seed, pos, v) [n, vocab], float64, on pos's device: a function of the three
+    integers alone, whichever batch a row comes in. Any seed >= 0 folds to 32 bits."""
+    key = int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little")
+    row = mix32(pos ^ key)  # positions are far below 2^32
+    h = mix32((row[:, None] + token_keys(vocab, pos.device)) & M32)
+    u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1): never 0 or 1, so both logs are finite
+    return u.log_().neg_().log_().neg_()
+
+
+def choose(logits, pos, sampling: Sampling):
+    """The tokens at positions `pos` [n] from the logits [n, V] of the rows before them, int64 [n] on
+    the logits' device, without a host sync. Temperature 0: argmax. Else the Gumbel-max rule: argmax
+    over the allowed tokens of logits / temperature + gumbel(seed, pos, v), an exact sample of the
+    filtered softmax. Drafts and full depth use it alike, so a draft is right iff it equals AR's token.
+    Filters: top-k keeps the logits >= the k-th largest (ties included); then top-p keeps the tokens
+    whose probability (softmax of logits / temperature) is >= that of the last token of the shortest
+    prefix, in descending order, whose probabilities sum to top_p (ties included again)."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    z = logits.double() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < z.shape[-1]:
+        z = z.masked_fill(z < z.topk(sampling.top_k).values[:, -1:], -math.inf)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        probs = z.softmax(-1)
+        ranked = probs.sort(descending=True).values
+        above = ranked.cumsum(-1) - ranked  # probability of the tokens ranked before each; 0 for the first
+        last = (above < sampling.top_p).sum(-1, keepdim=True) - 1
+        z = z.masked_fill(probs < ranked.gather(-1, last), -math.inf)
+    return (z + gumbel(sampling.seed, pos.to(z.device), z.shape[-1])).argmax(-1)
 
 
 @dataclass
@@ -44,8 +107,10 @@ class Decoder:
     computes the same bits as AR at the same width, in any dtype (README, "Exact in every precision")."""
 
     def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
-                 eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False):
+                 eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
+                 sampling=Sampling()):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
+        self.sampling = sampling
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
@@ -94,11 +159,14 @@ class Decoder:
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         pos = self.lanes(rows, lambda r: r.pos)
         self.stats["c_calls"] += 1
-        return self.choose(self.model.C(self.s, pos, self.cache), [r.pos % self.width for r in rows])
+        return self.readouts(self.model.C(self.s, pos, self.cache), [r.pos % self.width for r in rows],
+                             [r.pos + 1 for r in rows])
 
-    def choose(self, logits, rows):
-        """Readouts of logits[rows]: the tokens of all rows come to the host in one transfer."""
-        return [Readout(t, logits[i]) for t, i in zip(logits[rows].argmax(-1).tolist(), rows)]
+    def readouts(self, logits, lanes, pos):
+        """Readouts of logits[lanes], each choosing the token at pos (its row's next position): the
+        tokens of all rows come to the host in one transfer."""
+        tokens = choose(logits[lanes], torch.tensor(pos), self.sampling).tolist()
+        return [Readout(t, logits[i]) for t, i in zip(tokens, lanes)]
 
     def draft(self, row, out: Readout):
         """The token read from `row` at the draft depth: a draft for the next position."""
@@ -135,7 +203,7 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        return self.commit(self.choose(self.model.C(s, pos, self.cache, rows=[n - 1]), [0])[0])
+        return self.commit(self.readouts(self.model.C(s, pos, self.cache, rows=[n - 1]), [0], [n])[0])
 
 
 def autoregressive(dec: Decoder):
@@ -207,9 +275,10 @@ def default_draft_steps(model, num_steps=None):
 
 
 def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
-             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
-    """Greedy decoding. Returns Generation(tokens, stats, logits).
+             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
+             draft_hook: Callable[[int, int], int] = None, on_token: Callable[[int], None] = None,
+             trace: list = None, keep_logits=False, temperature=0.0, top_k=None, top_p=None, seed=0):
+    """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
 
     num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
     default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the prefill
@@ -222,7 +291,8 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
     called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
     as (position, depth reached), and the positions drafted (with the draft token), accepted or
-    rejected after it."""
+    rejected after it. temperature (0: greedy), top_k, top_p, seed: sampling by `choose`, the same
+    tokens for every method and draft depth with the same seed."""
     prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
@@ -262,6 +332,16 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
         if window < (width if method == "wfd" else 1):
             raise ValueError(f"window {window} is narrower than the wavefront (ceil(T/k) = {width} rows): "
                              "its rows would read final-depth KV that is not written yet")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), not {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, not {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], not {top_p!r}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError("top_k and top_p need temperature > 0: greedy decoding has nothing to filter")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, not {seed!r}")
     if len(prompt) + max_new_tokens > model.args.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {model.args.max_seq_len} positions")
@@ -270,7 +350,7 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     with torch.no_grad():
         dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,
                       eos_token_id=eos_token_id, draft_hook=draft_hook, on_token=on_token, trace=trace,
-                      keep_logits=keep_logits)
+                      keep_logits=keep_logits, sampling=Sampling(temperature, top_k, top_p, seed))
         if not dec.prefill():
             if method == "ar":
                 autoregressive(dec)
@@ -287,5 +367,5 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
               acceptance=st["accepted"] / verified if verified else float("nan"),
               r_calls_per_token=st["r_calls"] / len(dec.tokens), wall_s=wall,
               tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv, window=window,
-              width=width)
+              width=width, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     return Generation(dec.tokens, st, dec.logits)

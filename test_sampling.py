@@ -1,0 +1,272 @@
+"""Tests of sampling (wfd.choose): the hashed noise, the distribution it draws from, and every schedule
+token-exact against AR sampling with the same seed."""
+import json
+import os
+
+import pytest
+import torch
+
+import bench
+import models
+import run
+import wfd
+from test_wfd import CASES, GOLDEN, tiny_model
+
+torch.set_num_threads(1)
+
+M32 = 0xFFFFFFFF
+# each case samples under one of these, so that plain temperature and both filters are all covered
+SETTINGS = [dict(temperature=0.8, seed=11), dict(temperature=1.3, top_k=5, seed=2),
+            dict(temperature=1.0, top_k=20, top_p=0.8, seed=3 * 2**70)]
+
+
+# bfloat16 rows computed in batches of different shapes may round differently and flip a token: the
+# fixed-shape calls of spec section 8 make them exact
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def settings(seed):
+    return SETTINGS[seed % len(SETTINGS)]
+
+
+# -- the noise -------------------------------------------------------------------------------------
+
+def lowbias32(x):
+    """The hash in plain Python integers, which never overflow: what wfd.mix32 must compute."""
+    x ^= x >> 16
+    x = x * 0x7FEB352D & M32
+    x ^= x >> 15
+    x = x * 0x846CA68B & M32
+    return x ^ x >> 16
+
+
+def test_mix32_is_lowbias32_on_the_whole_32_bit_range():
+    xs = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0x80000001, M32 - 1, M32] + list(range(12345, 2**32, 2**32 // 1000))
+    assert wfd.mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+
+
+def test_noise_is_a_function_of_seed_position_and_token_alone():
+    for vocab in (37, 2048, 50257):
+        pos = torch.tensor([0, 5, 6, 130, 2**31 - 1])
+        batch = wfd.gumbel(4, pos, vocab)
+        for i in range(len(pos)):  # bit for bit whichever batch the row comes in, and wherever in it
+            assert torch.equal(wfd.gumbel(4, pos[i:i + 1], vocab)[0], batch[i])
+            assert torch.equal(wfd.gumbel(4, pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
+        assert torch.equal(wfd.gumbel(4, pos, vocab + 5)[:, :vocab], batch)
+        logits = torch.randn(len(pos), vocab, generator=torch.Generator().manual_seed(vocab))
+        for s in SETTINGS:
+            both = wfd.choose(logits, pos, wfd.Sampling(**s))
+            alone = [int(wfd.choose(logits[i:i + 1], pos[i:i + 1], wfd.Sampling(**s))[0]) for i in range(len(pos))]
+            assert both.tolist() == alone
+
+
+def test_noise_uniforms_are_uniform_and_independent():
+    pos = torch.arange(64)
+    g = wfd.gumbel(0, pos, 2048)
+    u = torch.exp(-torch.exp(-g))  # back to the hash's uniforms
+    assert 0 < u.min() and u.max() < 1
+    counts = torch.bincount((u * 100).long().flatten(), minlength=100)
+    assert chi_square_p(counts, torch.full((100,), 0.01, dtype=torch.float64)) > 1e-6
+    corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
+    others = [u[:, 1:], u[1:, :]] + [torch.exp(-torch.exp(-wfd.gumbel(s, pos, 2048))) for s in (1, 2**40)]
+    for other in others:  # neighbouring tokens, neighbouring positions, other seeds (a large one too)
+        assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
+    assert not torch.equal(wfd.gumbel(0, pos, 2048), wfd.gumbel(2**32, pos, 2048))  # large seeds do not wrap
+
+
+# -- the distribution -----------------------------------------------------------------------------
+
+def chi_square_p(counts, probs):
+    """Pearson's chi-square p-value of observed counts against probabilities (all > 0)."""
+    n = counts.sum()
+    expected = n * probs
+    x = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), x / 2))
+
+
+def expected_probs(logits, temperature, top_k=None, top_p=None):
+    """softmax(logits / temperature) over the tokens the filters keep, written out plainly."""
+    z = logits.double() / temperature
+    order = sorted(range(len(z)), key=lambda v: -float(z[v]))
+    kept = order[:top_k] if top_k else order
+    p = torch.softmax(z[kept], 0)
+    if top_p:
+        total, n = 0.0, 0
+        while total < top_p:
+            total, n = total + float(p[n]), n + 1
+        kept, p = kept[:n], torch.softmax(z[kept[:n]], 0)
+    probs = torch.zeros(len(z), dtype=torch.float64)
+    probs[kept] = p
+    return probs
+
+
+LOGITS = torch.linspace(-2.0, 1.5, 10)[torch.randperm(10, generator=torch.Generator().manual_seed(0))]
+DRAWS = 3000
+
+
+def first_tokens(sampling_args):
+    """The token at one fixed position, drawn with seeds 0..DRAWS-1."""
+    pos = torch.tensor([7])
+    return torch.tensor([int(wfd.choose(LOGITS[None], pos, wfd.Sampling(**sampling_args, seed=s))[0])
+                         for s in range(DRAWS)])
+
+
+def sample_fits(tokens, probs):
+    """No token outside the allowed set, and frequencies that fit `probs` by chi-square."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    allowed = probs > 0
+    return bool(counts[~allowed].sum() == 0) and chi_square_p(counts[allowed], probs[allowed]) > 1e-6
+
+
+@pytest.mark.parametrize("args", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7),
+                                  dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.7),
+                                  dict(temperature=1.2, top_k=6, top_p=0.8)])
+def test_sampler_draws_from_the_filtered_softmax(args):
+    probs = expected_probs(LOGITS, **args)
+    assert sample_fits(first_tokens(args), probs)
+
+
+def test_the_chi_square_check_catches_wrong_samplers(monkeypatch):
+    assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 0.6))  # temperature ignored
+    assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 1.0, top_k=4))  # no filter
+    gumbel = wfd.gumbel
+    monkeypatch.setattr(wfd, "gumbel", lambda *a: torch.exp(-torch.exp(-gumbel(*a))))  # uniform noise
+    assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 1.0))
+
+
+def test_temperature_zero_is_greedy_and_a_seed_gives_its_tokens():
+    model = tiny_model("ouro", 3, torch.float32)
+    prompt = [1, 2, 3]
+    greedy = wfd.generate(model, prompt, 30, keep_logits=True)
+    assert greedy.tokens == [int(x.argmax()) for x in greedy.logits]
+    assert wfd.generate(model, prompt, 30, temperature=0.0, seed=5).tokens == greedy.tokens
+    logits = torch.stack(greedy.logits)
+    assert torch.equal(wfd.choose(logits, torch.arange(30), wfd.Sampling()), logits.argmax(-1))
+    runs = [wfd.generate(model, prompt, 30, temperature=1.0, seed=s).tokens for s in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2] and runs[0] != greedy.tokens
+
+
+def test_filters_never_emit_a_filtered_token():
+    model = tiny_model("huginn", 4, torch.float32)
+    prompt = [9, 9, 2]
+    for seed in range(3):
+        out = wfd.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed, keep_logits=True)
+        for tok, z in zip(out.tokens, out.logits):
+            assert z[tok] >= z.topk(3).values[-1]
+        out = wfd.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed, keep_logits=True)
+        assert any(int(z.argmax()) != t for t, z in zip(out.tokens, out.logits))  # it does sample
+        for tok, z in zip(out.tokens, out.logits):
+            assert expected_probs(z, 1.5, top_p=0.3)[tok] > 0
+
+
+# -- every schedule gives AR's sampled tokens ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,seed", CASES)
+def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
+    model = tiny_model(kind, seed, dtype)
+    s, prompt, n_new = settings(seed), [4, 5, 6, 7][:1 + seed], 24
+    ar = wfd.generate(model, prompt, n_new, method="ar", **s)
+    assert ar.stats["temperature"] == s["temperature"] and ar.stats["seed"] == s["seed"]
+    for k in range(1, model.num_steps + 1):
+        for method in ("wfd", "dtv"):
+            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_len=1 + k % 3, **s)
+            assert out.tokens == ar.tokens, (method, k)
+
+
+@pytest.mark.parametrize("kind,seed", CASES[::2])
+def test_sampled_forced_drafts_still_give_ar(kind, seed):
+    model = tiny_model(kind, seed)
+    s, prompt, n_new = settings(seed), [1, 2, 3, 4], 25
+    ref = wfd.generate(model, prompt, n_new, method="ar", **s).tokens
+    at = lambda pos: ref[pos - len(prompt)]
+    V, T = model.args.vocab_size, model.num_steps
+    for k in range(1, T):
+        for method in ("wfd", "dtv"):
+            right = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_hook=lambda p, t: at(p), **s)
+            assert right.tokens == ref and right.stats["rejected"] == 0
+            wrong = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                                 draft_hook=lambda p, t: (at(p) + 1) % V, **s)
+            assert wrong.tokens == ref and wrong.stats["accepted"] == 0 and wrong.stats["rejected"] > 0
+            some = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                                draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p), **s)
+            assert some.tokens == ref and some.stats["accepted"] > 0 and some.stats["rejected"] > 0
+
+
+@pytest.mark.parametrize("kind,seed", CASES[1::2])
+def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
+    model = tiny_model(kind, seed)
+    s, prompt = settings(seed), [5, 6, 7]
+    ref = wfd.generate(model, prompt, 30, method="ar", **s).tokens
+    at = lambda pos: ref[pos - len(prompt)]
+    for i in (0, 1, 7, 15):
+        stop = ref.index(ref[i])
+        for k in range(1, model.num_steps + 1):
+            for method, hook in (("wfd", None), ("wfd", lambda p, t: at(p)), ("dtv", lambda p, t: at(p))):
+                out = wfd.generate(model, prompt, 30, method=method, draft_steps=k, eos_token_id=ref[i],
+                                   draft_hook=hook, **s)
+                assert out.tokens == ref[:stop + 1], (method, k, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,seed", CASES[:2] + CASES[3:5])
+def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
+    model = tiny_model(kind, seed, dtype)
+    s, prompt, n_new = settings(seed), [3, 1, 4, 1, 5][:1 + seed * 2], 24
+    V = model.args.vocab_size
+    for k in range(1, model.num_steps + 1):
+        ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, **s)
+        at = lambda pos: ar.tokens[pos - len(prompt)]
+        for hook in (None, lambda p, t: (at(p) + 1) % V, lambda p, t: at(p) if p % 3 else (at(p) + 1) % V):
+            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, draft_hook=hook, **s)
+            assert out.tokens == ar.tokens, k
+
+
+@pytest.mark.parametrize("name,steps,s", [("huginn_A", 8, SETTINGS[2]), ("ouro_A", 4, SETTINGS[0]),
+                                           ("ouro_A", 4, SETTINGS[1])])
+def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
+    model = models.load(GOLDEN[name])
+    with open(os.path.join(GOLDEN[name], "golden.json")) as f:
+        prompt = json.load(f)["prompt_ids"]
+    ar = wfd.generate(model, prompt, 24, method="ar", num_steps=steps, **s)
+    for k in range(1, steps + 1):
+        for method in ("wfd", "dtv"):
+            out = wfd.generate(model, prompt, 24, method=method, num_steps=steps, draft_steps=k, **s)
+            assert out.tokens == ar.tokens, (method, k)
+
+
+def test_sampling_arguments_are_checked():
+    model = tiny_model("ouro", 0)
+    cases = [(dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+             (dict(temperature=float("nan")), "temperature must be"),
+             (dict(temperature=1.0, top_k=0), "top_k must be None or an integer >= 1"),
+             (dict(temperature=1.0, top_k=2.5), "top_k must be"),
+             (dict(temperature=1.0, top_p=0.0), r"top_p must be None or in \(0, 1\]"),
+             (dict(temperature=1.0, top_p=1.5), "top_p must be"),
+             (dict(top_k=5), "top_k and top_p need temperature > 0"),
+             (dict(top_p=0.9), "top_k and top_p need temperature > 0"),
+             (dict(temperature=1.0, seed=-1), "seed must be an integer >= 0"),
+             (dict(temperature=1.0, seed=1.5), "seed must be")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            wfd.generate(model, [1, 2], 5, **kwargs)
+
+
+# -- the command lines -----------------------------------------------------------------------------
+
+def test_run_py_samples_the_same_text_with_every_method(capsys):
+    run.main(["--model", GOLDEN["ouro_A"], "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--method", "all",
+              "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "7", "--json"])
+    outs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(outs) == 3 and all(o["tokens"] == outs[0]["tokens"] for o in outs)
+    assert all((o["temperature"], o["top_k"], o["top_p"], o["seed"]) == (0.9, 40, 0.95, 7) for o in outs)
+
+
+def test_bench_py_samples_with_emulated_acceptance(capsys):
+    bench.main(["--model", GOLDEN["ouro_A"], "--num-prompts", "2", "--prompt-len", "5", "--max-new-tokens", "12",
+                "--warmup", "0", "--acceptance", "0.7", "--temperature", "1.0", "--top-p", "0.9", "--out", "",
+                "--threads", "1"])
+    text = capsys.readouterr().out
+    assert "sampled at temperature 1.0, top-p 0.9, seed 0" in text
+    table = [line for line in text[text.index("### overall"):].splitlines() if line.startswith("| ")][2:]
+    assert table and all(line.rstrip(" |").endswith("100%") for line in table)
