@@ -4,6 +4,7 @@ All three produce greedy AR's tokens. They differ in how they schedule rows, a r
 position at one depth, through the model's three calls P (start a row), R (advance rows by one
 recurrence) and C (read a token out of a row). See README.md, "The method in the code".
 """
+import numbers
 import time
 from dataclasses import dataclass, field
 from math import ceil
@@ -91,6 +92,9 @@ class Decoder:
 
     def commit(self, logits):
         """Append the greedy token of full-depth logits; True when generation is over."""
+        if not torch.isfinite(logits).all():  # argmax would quietly pick token 0
+            raise ValueError(f"the logits for position {len(self.prompt) + len(self.tokens)} are not finite "
+                             "(fp16 overflow or damaged weights)")
         token = int(logits.argmax())
         self.tokens.append(token)
         if self.logits is not None:
@@ -175,26 +179,38 @@ def draft_then_verify(dec: Decoder, k: int, draft_len: int):
 def default_draft_steps(model, num_steps=None):
     """The draft depth k the checkpoint recommends for its own T (the demo has one), else the paper's
     max(1, T // 8)."""
-    if num_steps is None and model.config.get("wfd_draft_steps"):
+    if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
         return model.config["wfd_draft_steps"]
     return max(1, (num_steps or model.num_steps) // 8)
 
 
-def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
-             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
-    """Greedy decoding. Returns Generation(tokens, stats, logits).
+def prompt_list(prompt_ids):
+    """The prompt as a list of Python ints. Takes a list or tuple of ints, a 1-D integer tensor or
+    array, or the one row of a [1, n] one; refuses what would otherwise be silently reinterpreted
+    (text, floats and bools cast to ids, several prompts run as one)."""
+    if hasattr(prompt_ids, "ids"):
+        raise TypeError("the prompt is a tokenizers Encoding: pass its .ids")
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("the prompt must be token ids, not text: encode it with the model's tokenizer")
+    ids = torch.as_tensor(prompt_ids)
+    if ids.dim() == 2 and len(ids) == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"the prompt must be one sequence of token ids (shape [n] or [1, n]), not shape "
+                         f"{list(ids.shape)}: generate decodes one prompt at a time")
+    if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
+        raise TypeError(f"prompt token ids must be integers, not {str(ids.dtype).replace('torch.', '')}")
+    return ids.tolist()
 
-    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
-    default_draft_steps). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
-    (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
-    KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
-    AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
-    each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
-    called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
-    as (position, depth reached), and the positions drafted (with the draft token), accepted or
-    rejected after it."""
-    prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+
+def check_args(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None, draft_len=4,
+               kv="full", window=None):
+    """generate()'s arguments checked and normalized: (prompt as a list of ints, max_new_tokens as an
+    int, T, k, window). run.py calls it too, so that bad input is refused before anything is printed."""
+    prompt = prompt_list(prompt_ids)
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
@@ -206,7 +222,7 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
     if T < 1:
         raise ValueError(f"num_steps must be at least 1, not {T}")
@@ -229,6 +245,25 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     if len(prompt) + max_new_tokens > model.args.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {model.args.max_seq_len} positions")
+    return prompt, max_new_tokens, T, k, window
+
+
+def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
+             draft_len=4, eos_token_id=None, kv="full", window=None, draft_hook: Callable[[int, int], int] = None,
+             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
+    """Greedy decoding. Returns Generation(tokens, stats, logits).
+
+    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
+    default_draft_steps). draft_len: drafts per DtV round. kv: "full" (a KV slot per depth) or "shared"
+    (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
+    KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
+    AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
+    each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
+    called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
+    as (position, depth reached), and the positions drafted (with the draft token), accepted or
+    rejected after it."""
+    prompt, max_new_tokens, T, k, window = check_args(model, prompt_ids, max_new_tokens, method, num_steps,
+                                                      draft_steps, draft_len, kv, window)
 
     t0 = time.perf_counter()
     with torch.no_grad():
