@@ -27,10 +27,11 @@ from collections import defaultdict
 from datetime import datetime, timezone
 
 import torch
+from tqdm import tqdm
 
 import models
 import wfd
-from run import DEMO, DTYPES, default_eos, set_threads
+from run import DEMO, DTYPES, Parser, check_at_least, default_eos, finite, one_line_errors, set_threads
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -82,16 +83,19 @@ def chat(model, question):
 def specbench_prompts(model, path, categories, per_category):
     """Spec-Bench question.jsonl, first turn only."""
     if model.tokenizer is None:
-        sys.exit("--questions needs the model's tokenizer.json")
+        raise ValueError("--questions needs the model's tokenizer.json")
     prompts, taken = [], defaultdict(int)
     with open(path) as f:
-        for line in f:
-            q = json.loads(line)
-            cat = q["category"]
+        for n, line in enumerate(f, 1):
+            try:
+                q = json.loads(line)
+                cat, turn = q["category"], q["turns"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as err:
+                raise ValueError(f"{path} line {n} is not a Spec-Bench question ({type(err).__name__}: {err})") from None
             if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
                 continue
             taken[cat] += 1
-            text, eos = chat(model, q["turns"][0])
+            text, eos = chat(model, turn)
             ids = model.tokenizer.encode(text, add_special_tokens=False).ids
             prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
     return prompts
@@ -102,7 +106,7 @@ def stdlib_prompts(model, per_file, length=48):
     defs of every held-out stdlib library file (train_demo.py never trains on them; its own
     evaluation uses the first def of each)."""
     if model.tokenizer is None:
-        sys.exit("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
+        raise ValueError("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
     from train_demo import library_split  # the held-out split is defined there
     prompts = []
     for rel, text in library_split()[1]:
@@ -121,11 +125,18 @@ def random_prompts(model, n, length, seed):
 
 # -- one run ----------------------------------------------------------------------------------------
 
+def settings(name, args):
+    """wfd.generate's settings for one of METHODS."""
+    method, kv, width, _, _ = METHODS[name]
+    return dict(method=method, kv=kv, width=dict(wave=None, dtv=args.draft_len + 1).get(width, width),
+                num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
+                capacity=args.capacity, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed)
+
+
 def run(model, prompt, name, args, max_new_tokens, ref=None):
     """Decode one prompt with one method. With args.acceptance, each draft becomes ref's token with
     that probability and a wrong token otherwise (ref: the reference run's tokens)."""
-    method, kv, width, _, _ = METHODS[name]
-    width = dict(wave=None, dtv=args.draft_len + 1).get(width, width)
     offset, vocab = len(prompt["ids"]), model.args.vocab_size
     rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
     drafts, times = {}, []
@@ -139,11 +150,8 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
 
     clock = CLOCKS[args.clock]
     start = clock()
-    out = wfd.generate(model, prompt["ids"], max_new_tokens, method=method, num_steps=args.steps,
-                       draft_steps=args.draft_steps, draft_len=args.draft_len, eos_token_id=prompt["eos"],
-                       width=width, capacity=args.capacity, kv=kv, draft_hook=hook,
-                       on_token=lambda t: times.append(clock()), keep_logits=True, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"], draft_hook=hook,
+                       on_token=lambda t: times.append(clock()), keep_logits=True, **settings(name, args))
     end = clock()
     tokens = out.tokens
     # a committed token is an accepted draft iff it equals the last draft for its position; each
@@ -206,7 +214,7 @@ def cpu_name():
 # -- main -------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=DEMO, help="model folder or hub id (default: the demo model)")
     src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
@@ -248,15 +256,14 @@ def parse_args(argv=None):
 def load_model(args, log):
     t0 = time.perf_counter()
     if args.random_weights:
-        with open(args.random_weights) as f:
-            config = json.load(f)
+        config = models.read_json(args.random_weights)
         model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
         log(f"building {model_id} with random weights on {args.device} ...")
         model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"], seed=args.seed,
                                    init_seed=args.init_seed)
     else:
         if args.model == DEMO and not os.path.isdir(DEMO):
-            sys.exit("no --model given and the demo model is missing: build it with python train_demo.py")
+            raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
         model_id = os.path.basename(os.path.normpath(args.model))
         log(f"loading {args.model} ...")
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
@@ -279,12 +286,15 @@ def load_prompts(model, args, log):
     if len(fits) < len(prompts):
         log(f"  skipping {len(prompts) - len(fits)} prompts longer than the context allows")
     if not fits:
-        sys.exit("no prompts to run")
+        raise ValueError("no prompts to run" if not prompts else f"no prompt fits the model's context of "
+                         f"{model.args.max_seq_len} positions with --max-new-tokens {args.max_new_tokens}")
     return fits[:args.limit], source
 
 
 def run_all(model, prompts, names, args, log):
     """Every method on every prompt, each reference before the runs checked against it."""
+    for name in names:  # bad settings fail here, not after the reference runs
+        wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **settings(name, args))
     if args.warmup:
         # one token is the prefill alone, the same for every method: one run touches all the weights
         warm = names if args.warmup > 1 else names[:1]
@@ -292,6 +302,7 @@ def run_all(model, prompts, names, args, log):
         for name in warm:
             run(model, prompts[0], name, args, args.warmup)
     results = defaultdict(list)  # name -> one result per prompt
+    bar = tqdm(total=len(prompts) * len(names), unit="run", file=sys.stderr, disable=None)  # on a terminal
     for i, prompt in enumerate(prompts):
         for name in names:
             ref = results[METHODS[name][4]][i] if METHODS[name][4] != name else None
@@ -306,6 +317,8 @@ def run_all(model, prompts, names, args, log):
                 f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
                 f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
                 + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
+            bar.update()
+    bar.close()
     return results
 
 
@@ -364,16 +377,20 @@ def write_answers(model, model_id, names, results, args):
                     question_id=p["question_id"], category=p["category"], answer_id=uuid.uuid4().hex,
                     model_id=f"{model_id}-{name}", choices=[choice], tstamp=time.time(),
                     emulated_acceptance=args.acceptance,
-                    stats={key: v for key, v in st.items() if not isinstance(v, float) or math.isfinite(v)})) + "\n")
+                    stats=finite(st)), allow_nan=False) + "\n")
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log = lambda msg: tqdm.write(msg, file=sys.stderr)  # above the progress bar, when there is one
+    check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0, threads=1)
+    if args.acceptance is not None and not 0 <= args.acceptance <= 1:
+        raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
-        sys.exit(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     # plain AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)

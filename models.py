@@ -19,14 +19,17 @@ import json
 import math
 import os
 import re
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 SUPPORTED = {"ouro": "Ouro (ByteDance/Ouro-1.4B, Ouro-2.6B)", "huginn_raven": "Huginn (tomg-group-umd/huginn-0125)"}
 UNSUPPORTED = {
@@ -323,6 +326,7 @@ def checkpoint_layout(a: ModelArgs):
 def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="random", seed=0, init_seed=None):
     """A model of this config. With init_seed, random weights (for tests and timing at real sizes);
     without, uninitialised memory that load() fills."""
+    check_device(device)
     a = ModelArgs.from_config(config)
     with torch.device("meta"):
         model = LoopedLM(a, config, state_init, seed)
@@ -347,37 +351,59 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
              "tokenizer_config.json", "generation_config.json"]
 
 
+def check_device(device):
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) has no CUDA or sees no GPU; "
+                         "use the CPU")
+
+
 def resolve(source):
-    """A local folder, or a hub id fetched with huggingface_hub (config, weights, tokenizer only)."""
-    if os.path.isdir(source):
-        return source
-    if os.path.exists(source) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source):
-        raise FileNotFoundError(f"{source!r} is not a model folder (one holding config.json and "
-                                "*.safetensors) or a Hugging Face hub id")
+    """A local folder, or a hub id fetched with huggingface_hub (config, weights, tokenizer only).
+    A name that can only be a path (./x, /x, ~/x, a/b/c) is never sent to the hub."""
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"{source} is a file, not a model folder (one holding config.json and *.safetensors)")
+    if not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", source):
+        raise FileNotFoundError(f"no such model folder: {source}")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(source, allow_patterns=HUB_FILES)
     except Exception as err:
-        raise RuntimeError(
-            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}). "
-            "The hub is unreachable from here or the id is wrong; download the model on a machine "
-            "that can reach it and pass its local folder instead") from err
+        raise ConnectionError(
+            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}), and there is "
+            "no local folder of that name. The hub is unreachable from here or the id is wrong; download "
+            "the model on a machine that can reach it and pass its local folder instead") from err
+
+
+def read_json(path):
+    """A JSON object from a file, the file named when it holds anything else."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except ValueError as err:  # also the UnicodeDecodeError of a binary file
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object")
+    return obj
 
 
 def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     """Load an Ouro or Huginn checkpoint from a folder or hub id, tensor by tensor (a 3.5B model is
-    never in memory twice). dtype defaults to the checkpoint's."""
+    never in memory twice). dtype defaults to the checkpoint's. Every tensor is checked to be finite:
+    damaged weights would otherwise decode to garbage (argmax of NaN logits is token 0)."""
+    check_device(device)
     folder = resolve(source)
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {folder}")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_json(config_path)
     a = ModelArgs.from_config(config)
     files = _weight_files(folder)
     key_file = {}
     for path in files:
-        with safe_open(path, "pt") as f:
+        with _open(path) as f:
             key_file.update((k, path) for k in f.keys())
     if dtype is None:
         embed_key = "model.embed_tokens.weight" if a.kind == "ouro" else "transformer.wte.weight"
@@ -395,7 +421,9 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
         raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {config['model_type']} "
                          f"model of this config" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     params = dict(model.named_parameters())
-    for name, parts in layout.items():
+    big = sum(os.path.getsize(path) for path in files) > 1e9  # worth a progress bar (on a terminal)
+    for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor", file=sys.stderr,
+                            disable=None if big else True):
         p, row = params[name], 0
         for key, rows in parts:
             want = (rows or p.shape[0],) + tuple(p.shape[1:])
@@ -413,15 +441,20 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     tok_path = os.path.join(folder, "tokenizer.json")
     if os.path.exists(tok_path):
         from tokenizers import Tokenizer
-        model.tokenizer = Tokenizer.from_file(tok_path)
+        try:
+            model.tokenizer = Tokenizer.from_file(tok_path)
+        except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tok_path} is not a tokenizer.json that tokenizers can read: {err}") from None
     return model
 
 
 def _weight_files(folder):
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        names = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(folder, "model.safetensors")):
         names = ["model.safetensors"]
     else:
@@ -435,9 +468,21 @@ def _weight_files(folder):
     return paths
 
 
+@contextmanager
+def _open(path):
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or damaged?): {err}") from None
+
+
 def _read(key_file, key):
-    with safe_open(key_file[key], "pt") as f:
-        return f.get_tensor(key)
+    with _open(key_file[key]) as f:
+        t = f.get_tensor(key)
+    if not torch.isfinite(t).all():
+        raise ValueError(f"tensor {key!r} in {key_file[key]} holds NaN or inf: the weights are damaged")
+    return t
 
 
 def save(model: LoopedLM, folder):

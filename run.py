@@ -2,7 +2,9 @@
 
 Without --model it runs the small demo model that ships in demo/ (see train_demo.py)."""
 import argparse
+import functools
 import json
+import math
 import os
 import sys
 
@@ -15,8 +17,35 @@ DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error of the command line (no usage block)
+        self.exit(2, f"error: {message}\n")
+
+
+def one_line_errors(main):
+    """main, with every error in the user's input (arguments, files, configs, weights, devices, the hub:
+    the ValueErrors and OSErrors this project raises for them) reported as one line on stderr and
+    exit status 2. Any other exception is a bug, and keeps its traceback."""
+    @functools.wraps(main)
+    def wrapped(argv=None):
+        try:
+            return main(argv)
+        except (ValueError, OSError) as err:
+            print("error: " + " ".join(str(err).split()), file=sys.stderr)
+            sys.exit(2)
+    return wrapped
+
+
+def check_at_least(args, **least):
+    """Refuse a count below its minimum (--threads -2 and the like) before any work starts."""
+    for name, low in least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {value}")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEMO, help="model folder or Hugging Face hub id (default: the demo model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
@@ -41,7 +70,8 @@ def parse_args(argv=None):
                    "Huginn's random initial state")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per method instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "
+                   "instead of text")
     p.add_argument("--show-wavefront", action="store_true", help="draw the (position x depth) schedule of the first ticks")
     return p.parse_args(argv)
 
@@ -49,6 +79,50 @@ def parse_args(argv=None):
 def default_eos(model):
     eos = model.config.get("eos_token_id")
     return eos[0] if isinstance(eos, list) else eos
+
+
+def read_prompt(args, model):
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids takes comma-separated integers such as 1,2,3, not {args.prompt_ids!r}") from None
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+    return model.tokenizer.encode(args.prompt).ids
+
+
+class TextStream:
+    """Prints the prompt, then the text of each token as it commits. A character whose bytes span
+    several tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFDs wait for the next
+    token; at the end the whole text is out, exactly the decode of every token."""
+
+    def __init__(self, tokenizer, prompt):
+        self.tokenizer, self.ids, self.shown = tokenizer, list(prompt), ""
+        self.show(final=False)
+
+    def add(self, token):
+        self.ids.append(token)
+        self.show(final=False)
+
+    def show(self, final=True):
+        text = self.tokenizer.decode(self.ids)
+        text = text if final else text.rstrip("\ufffd")
+        print(text[len(self.shown):], end="\n" if final else "", flush=True)
+        self.shown = text
+
+
+def finite(stats):
+    """The stats with NaN and inf as None: strict JSON has no NaN (AR's acceptance is undefined)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
+
+
+def stats_line(method, st):
+    acceptance = "-" if math.isnan(st["acceptance"]) else f"{st['acceptance']:.2f}"
+    kv = f" (shared, window {st['window']})" if st["kv"] == "shared" else ""
+    return (f"[{method}] {st['tokens']} tokens, {st['r_calls']} R calls ({st['r_calls_per_token']:.2f}/token), "
+            f"T={st['num_steps']} k={st['draft_steps']} width {st['width']}, acceptance {acceptance}, "
+            f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB{kv}")
 
 
 def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
@@ -97,60 +171,54 @@ def set_threads(model, threads=None):
         torch.set_num_threads(threads or 1)
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
+    check_at_least(args, threads=1)
     if args.model == DEMO and not os.path.isdir(DEMO):
-        sys.exit("no --model given and the demo model is missing: build it with python train_demo.py")
+        raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
     set_threads(model, args.threads)
-    if args.prompt_ids is not None:
-        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    elif model.tokenizer is None:
-        sys.exit(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
-    else:
-        prompt = model.tokenizer.encode(args.prompt).ids
+    prompt, tok = read_prompt(args, model), model.tokenizer
     eos = args.eos if args.eos is not None else default_eos(model)
-    # all: plain AR (the speed baseline), then each schedule after AR at its width (its exact reference)
-    methods = ["ar1", "ar", "wfd", "ar-dtv", "dtv"] if args.method == "all" else [args.method]
-    stream = not args.json and len(methods) == 1 and model.tokenizer is not None
+    # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its
+    # width, its exact reference
+    runs = ([("ar1", "ar", 1), ("ar", "ar", args.width), ("wfd", "wfd", args.width),
+             ("ar-dtv", "ar", args.draft_len + 1), ("dtv", "dtv", None)] if args.method == "all"
+            else [(args.method, args.method, args.width)])
+    if args.kv == "shared" and args.method == "all":
+        runs = runs[:3]
+        print("note: skipping dtv, which cannot share KV exactly (its verify pass writes final-depth KV "
+              "of positions it may reject)", file=sys.stderr)
+    settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len, kv=args.kv,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for _, method, width in runs:  # every input error out before the first line of output
+        wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, **settings)
+    stream = not args.json and len(runs) == 1 and tok is not None
     results = {}
-    for method in methods:
-        shown = []
-        def on_token(tok, shown=shown):  # print the text as tokens commit
-            shown.append(tok)
-            if stream:
-                print(model.tokenizer.decode(prompt + shown)[len(model.tokenizer.decode(prompt + shown[:-1])):],
-                      end="", flush=True)
+    for name, method, width in runs:
+        text = TextStream(tok, prompt) if stream else None
         trace = [] if args.show_wavefront and method == "wfd" else None
-        if stream:
-            print(args.prompt, end="", flush=True)
-        width = {"ar1": 1, "ar-dtv": args.draft_len + 1}.get(method, args.width)
-        out = wfd.generate(model, prompt, args.max_new_tokens, method=method[:2] if method[:2] == "ar" else method,
-                           num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
-                           width=width, eos_token_id=eos, kv=args.kv, on_token=on_token, trace=trace,
-                           keep_logits=len(methods) > 1, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed)
-        results[method] = out
+        out = wfd.generate(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
+                           on_token=text.add if text else None, trace=trace, keep_logits=len(runs) > 1, **settings)
+        results[name] = out
         st = out.stats
         if args.json:
-            print(json.dumps({**st, "tokens": out.tokens}))  # the token ids, in place of their count
+            print(json.dumps(dict(method=name, tokens=out.tokens, text=tok.decode(out.tokens) if tok else None,
+                                  stats=finite(st)), allow_nan=False))
             continue
-        if stream:
-            print()
-        elif model.tokenizer is not None:
-            print(f"[{method}] {model.tokenizer.decode(out.tokens)}")
+        if text:
+            text.show()
         else:
-            print(f"[{method}] {out.tokens}")
-        print(f"[{method}] {st['tokens']} tokens, {st['r_calls']} R calls ({st['r_calls_per_token']:.2f}/token), "
-              f"T={st['num_steps']} k={st['draft_steps']} width {st['width']}, acceptance {st['acceptance']:.2f}, "
-              f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB")
+            print(f"[{method}] {tok.decode(out.tokens) if tok else out.tokens}")
+        print(stats_line(name, st))
         if trace:
-            label = (lambda t: repr(model.tokenizer.decode([t]))) if model.tokenizer else str
+            label = (lambda t: repr(tok.decode([t]))) if tok else str
             print(draw_wavefront(trace, out.tokens, len(prompt), st["num_steps"], st["draft_steps"], label))
-    if len(methods) > 1 and not args.json:
+    if len(runs) > 1 and not args.json:
         same = lambda a, b: a.tokens == b.tokens and torch.equal(torch.stack(a.logits), torch.stack(b.logits))
-        exact = same(results["wfd"], results["ar"]) and same(results["dtv"], results["ar-dtv"])
+        exact = all(same(results[a], results[b]) for a, b in (("wfd", "ar"), ("dtv", "ar-dtv")) if a in results)
         print("outputs identical to AR at the same width (tokens and logits): " + ("yes" if exact else "NO"))
         plain = results["ar1"]
         for method, r in results.items():

@@ -3,10 +3,14 @@ official code, see testdata/README.md), and every decoding schedule token-exact 
 import json
 import os
 import random
+import re
+import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 import models
 import wfd
@@ -240,7 +244,7 @@ def test_load_errors_name_the_problem(tmp_path, monkeypatch):
         models.load(broken_copy(tmp_path / "f", "ouro_A", edit_config=lambda c: c.update(rope_scaling={"type": "yarn"})))
     with pytest.raises(ValueError, match="lacks 'n_layers_in_coda'"):
         models.load(broken_copy(tmp_path / "g", "huginn_A", edit_config=lambda c: c.pop("n_layers_in_coda")))
-    with pytest.raises(FileNotFoundError, match="not a model folder"):
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
         models.load(str(tmp_path / "no" / "such" / "folder"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
@@ -248,8 +252,43 @@ def test_load_errors_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(RuntimeError, match="hub is unreachable.*local folder"):
+    with pytest.raises(ConnectionError, match="hub is unreachable.*local folder"):
         models.load("ByteDance/Ouro-2.6B")
+
+
+def damaged_copy(tmp_path, name, file, damage):
+    """A copy of a golden checkpoint (and the demo's tokenizer) with `file` rewritten by damage(bytes)."""
+    shutil.copytree(GOLDEN[name], tmp_path)
+    shutil.copy(os.path.join(HERE, "demo", "tokenizer.json"), tmp_path)
+    path = tmp_path / file
+    path.write_bytes(damage(path.read_bytes()))
+    return str(tmp_path)
+
+
+def test_damaged_files_are_named(tmp_path):
+    def nan_weights(data):  # 0xFF bytes in the tensor data: NaN in fp32
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        return data[:header_end + 64] + b"\xff" * 4096 + data[header_end + 64 + 4096:]
+    cases = [("config.json", lambda d: d[:20], r"config\.json is not valid JSON"),
+             ("config.json", lambda d: b"[1, 2]", r"config\.json holds a JSON list, not an object"),
+             ("model.safetensors", lambda d: d[:len(d) // 2], r"model\.safetensors is not a readable safetensors file"),
+             ("model.safetensors", lambda d: d[:8] + b"\xff" * 64 + d[72:], r"model\.safetensors is not a readable"),
+             ("model.safetensors", nan_weights, r"tensor '[\w.]+' in \S+model\.safetensors holds NaN or inf"),
+             ("tokenizer.json", lambda d: d[:100], r"tokenizer\.json is not a tokenizer\.json that tokenizers can read")]
+    for i, (file, damage, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            models.load(damaged_copy(tmp_path / str(i), "ouro_A", file, damage))
+
+
+def test_missing_folders_and_devices_are_told_apart(tmp_path, monkeypatch):
+    for path in ("./no_such_model", "../no/such", str(tmp_path / "nothing"), "~/no_such_model", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="no such model folder: " + re.escape(path)):
+            models.load(path)
+    with pytest.raises(FileNotFoundError, match="is a file, not a model folder"):
+        models.load(os.path.join(GOLDEN["ouro_A"], "config.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda': this torch .* has no CUDA"):
+        models.load(GOLDEN["ouro_A"], device="cuda")
 
 
 def test_save_roundtrip(tmp_path, huginn, ouro):
@@ -422,6 +461,30 @@ def test_bad_input_gives_clear_errors(ouro):
     cache = KVCache(ouro, capacity=4)
     with pytest.raises(IndexError, match="position 4 is past the KV cache's capacity of 4"):
         ouro.R(torch.zeros(1, 64), None, torch.tensor([4]), 0, cache)
+
+
+def test_prompt_forms(ouro):
+    want = wfd.generate(ouro, [1, 2, 3], 4).tokens
+    for prompt in ((1, 2, 3), torch.tensor([1, 2, 3]), torch.tensor([[1, 2, 3]]), np.array([1, 2, 3])):
+        assert wfd.generate(ouro, prompt, np.int64(4)).tokens == want
+    refused = [("abc", TypeError, "not text"), ([1.0, 2.0], TypeError, "integers, not float"),
+               ([True, False], TypeError, "integers, not bool"), (torch.tensor([[1, 2], [3, 4]]), ValueError,
+               r"shape \[2, 2\]"), (5, ValueError, "one sequence of token ids"),
+               (Tokenizer.from_file(os.path.join(HERE, "demo", "tokenizer.json")).encode("x"), TypeError,
+                r"Encoding: pass its \.ids")]
+    for prompt, error, message in refused:
+        with pytest.raises(error, match=message):
+            wfd.generate(ouro, prompt, 4)
+    with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+        wfd.generate(ouro, [1, 2], 4.0)
+
+
+def test_non_finite_logits_are_refused():
+    model = tiny_model("ouro", 0)
+    model.lm_head.weight[5] = float("inf")
+    for method in ("ar", "wfd", "dtv"):
+        with pytest.raises(ValueError, match="logits for position 3 are not finite"):
+            wfd.generate(model, [1, 2, 3], 4, method=method)
 
 
 # -- exact cross-recurrence KV sharing -------------------------------------------------------------

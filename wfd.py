@@ -8,6 +8,7 @@ code" and "Sampling".
 import functools
 import hashlib
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from math import ceil
@@ -88,6 +89,7 @@ class Row:
 class Readout:
     token: int               # the token this row's logits choose for the next position
     logits: torch.Tensor     # [V], on the model's device
+    finite: bool             # no NaN or inf among them
 
 
 @dataclass
@@ -165,8 +167,10 @@ class Decoder:
     def readouts(self, logits, lanes, pos):
         """Readouts of logits[lanes], each choosing the token at pos (its row's next position): the
         tokens of all rows come to the host in one transfer."""
-        tokens = choose(logits[lanes], torch.tensor(pos), self.sampling).tolist()
-        return [Readout(t, logits[i]) for t, i in zip(tokens, lanes)]
+        picked = logits[lanes]
+        tokens, finite = torch.stack([choose(picked, torch.tensor(pos), self.sampling),
+                                      picked.isfinite().all(-1).long()]).tolist()
+        return [Readout(t, logits[i], bool(f)) for t, i, f in zip(tokens, lanes, finite)]
 
     def draft(self, row, out: Readout):
         """The token read from `row` at the draft depth: a draft for the next position."""
@@ -186,6 +190,9 @@ class Decoder:
 
     def commit(self, out: Readout):
         """Append the token of full-depth logits; True when generation is over."""
+        if not out.finite:  # argmax would quietly pick token 0
+            raise ValueError(f"the logits for position {len(self.prompt) + len(self.tokens)} are not finite "
+                             "(fp16 overflow or damaged weights)")
         self.tokens.append(out.token)
         if self.logits is not None:
             self.logits.append(out.logits)
@@ -269,31 +276,40 @@ def draft_then_verify(dec: Decoder, k: int, draft_len: int):
 def default_draft_steps(model, num_steps=None):
     """The draft depth k the checkpoint recommends for its own T (the demo has one), else the paper's
     max(1, T // 8)."""
-    if num_steps is None and model.config.get("wfd_draft_steps"):
+    if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
         return model.config["wfd_draft_steps"]
     return max(1, (num_steps or model.num_steps) // 8)
 
 
-def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-             draft_hook: Callable[[int, int], int] = None, on_token: Callable[[int], None] = None,
-             trace: list = None, keep_logits=False, temperature=0.0, top_k=None, top_p=None, seed=0):
-    """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
+def prompt_list(prompt_ids):
+    """The prompt as a list of Python ints. Takes a list or tuple of ints, a 1-D integer tensor or
+    array, or the one row of a [1, n] one; refuses what would otherwise be silently reinterpreted
+    (text, floats and bools cast to ids, several prompts run as one)."""
+    if hasattr(prompt_ids, "ids"):
+        raise TypeError("the prompt is a tokenizers Encoding: pass its .ids")
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("the prompt must be token ids, not text: encode it with the model's tokenizer")
+    ids = torch.as_tensor(prompt_ids)
+    if ids.dim() == 2 and len(ids) == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"the prompt must be one sequence of token ids (shape [n] or [1, n]), not shape "
+                         f"{list(ids.shape)}: generate decodes one prompt at a time")
+    if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
+        raise TypeError(f"prompt token ids must be integers, not {str(ids.dtype).replace('torch.', '')}")
+    return ids.tolist()
 
-    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
-    default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the prefill
-    (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain decoding).
-    capacity: positions the KV cache holds (default: the prompt and the new tokens but the last;
-    attention always reads all of them, so a fixed capacity gives every generation the same shapes). kv: "full" (a KV slot per depth) or "shared"
-    (kv.SharedKVCache: rows read the per-depth KV of the last `window` positions and the final-depth
-    KV of older ones; window defaults to the wavefront width ceil(T / k), also for AR, so that
-    AR and WFD with the same k compute the same thing). draft_hook(pos, token) -> token may replace
-    each draft (tests force wrong drafts with it; the output must not change). on_token(token) is
-    called as each token commits. trace, a list, receives one dict per R call: the rows it advanced
-    as (position, depth reached), and the positions drafted (with the draft token), accepted or
-    rejected after it. temperature (0: greedy), top_k, top_p, seed: sampling by `choose`, the same
-    tokens for every method and draft depth with the same seed."""
-    prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+
+def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
+               draft_len=4, width=None, capacity=None, kv="full", window=None, temperature=0.0, top_k=None,
+               top_p=None, seed=0):
+    """generate()'s arguments checked and normalized: (prompt as a list of ints, max_new_tokens as an
+    int, T, k, width, window). run.py calls it too, so that bad input is refused before anything is
+    printed."""
+    prompt = prompt_list(prompt_ids)
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
@@ -305,7 +321,7 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
     bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
     if bad:
         raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
     if T < 1:
         raise ValueError(f"num_steps must be at least 1, not {T}")
@@ -313,10 +329,14 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
         raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T} (the full depth)")
     if draft_len < 1:
         raise ValueError(f"draft_len must be at least 1, not {draft_len}")
-    need = ceil(T / k) if method == "wfd" else draft_len + 1 if method == "dtv" else 1
-    width = (draft_len + 1 if method == "dtv" else ceil(T / k)) if width is None else width
+    wave = ceil(T / k)  # the wavefront's rows in flight
+    need = wave if method == "wfd" else draft_len + 1 if method == "dtv" else 1
+    width = (draft_len + 1 if method == "dtv" else wave) if width is None else width
     if not isinstance(width, int) or width < need:
         raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows per call")
+    if len(prompt) + max_new_tokens > model.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {model.args.max_seq_len} positions")
     if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
         raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
                          f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
@@ -327,10 +347,9 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
             raise ValueError("kv='shared' is not exact for draft-then-verify: its verify pass writes the "
                              "final-depth KV of positions it may then reject, which rows in flight read; "
                              "use kv='full'")
-        width = ceil(T / k)
-        window = width if window is None else window
-        if window < (width if method == "wfd" else 1):
-            raise ValueError(f"window {window} is narrower than the wavefront (ceil(T/k) = {width} rows): "
+        window = wave if window is None else window
+        if window < (wave if method == "wfd" else 1):
+            raise ValueError(f"window {window} is narrower than the wavefront (ceil(T/k) = {wave} rows): "
                              "its rows would read final-depth KV that is not written yet")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), not {temperature!r}")
@@ -342,10 +361,31 @@ def generate(model, prompt_ids, max_new_tokens, method="wfd", num_steps=None, dr
         raise ValueError("top_k and top_p need temperature > 0: greedy decoding has nothing to filter")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, not {seed!r}")
-    if len(prompt) + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's context of {model.args.max_seq_len} positions")
+    return prompt, max_new_tokens, T, k, width, window
 
+
+def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
+             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
+             temperature=0.0, top_k=None, top_p=None, seed=0, draft_hook: Callable[[int, int], int] = None,
+             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
+    """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
+
+    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
+    default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the
+    prefill (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain
+    decoding). capacity: positions the KV cache holds (default: the prompt and the new tokens but the
+    last; every call attends over all of them). kv: "full" (a KV slot per depth) or "shared"
+    (kv.SharedKVCache; window defaults to ceil(T / k), also for AR, so that AR and WFD with the same
+    k compute the same thing). temperature (0: greedy), top_k, top_p, seed: sampling by `choose`,
+    the same tokens for every method and draft depth with the same seed. draft_hook(pos, token) ->
+    token may replace each draft (tests force wrong drafts with it; the output must not change).
+    on_token(token) is called as each token commits. trace, a list, receives one dict per R call: the
+    rows it advanced as (position, depth reached), and the positions drafted (with the draft token),
+    accepted or rejected after it."""
+    prompt, max_new_tokens, T, k, width, window = check_args(
+        model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
+        draft_len=draft_len, width=width, capacity=capacity, kv=kv, window=window, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed)
     t0 = time.perf_counter()
     with torch.no_grad():
         dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,

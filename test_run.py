@@ -1,0 +1,153 @@
+"""The command line as a user meets it: every mistake is one line on stderr and exit status 2, before
+any output; --json is strict JSON; streamed text is whole characters."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+import models
+import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OURO_A = os.path.join(HERE, "testdata", "ouro_A")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # run.main sets one thread for the demo
+
+
+def nan_weights(data):
+    """200 KB of 0xFF past the header: NaN in fp32."""
+    start = 8 + int.from_bytes(data[:8], "little") + 4096
+    return data[:start] + b"\xff" * 200_000 + data[start + 200_000:]
+
+
+DAMAGE = {
+    "config": ("config.json", lambda d: d[:-10]),
+    "truncated": ("model.safetensors", lambda d: d[:len(d) // 2]),
+    "header": ("model.safetensors", lambda d: d[:8] + b"\x00" * 64 + d[72:]),
+    "tokenizer": ("tokenizer.json", lambda d: d[:1000]),
+    "nan": ("model.safetensors", nan_weights),
+}
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """Copies of the demo model, each with one file damaged."""
+    folders = {}
+    for name, (file, damage) in DAMAGE.items():
+        folder = tmp_path_factory.mktemp(name)
+        shutil.copytree(run.DEMO, folder, dirs_exist_ok=True)
+        path = folder / file
+        path.write_bytes(damage(path.read_bytes()))
+        folders[name] = str(folder)
+    return folders
+
+
+CASES = [  # (script, arguments, what the one line says)
+    (run, ["--prompt", ""], "the prompt is empty"),
+    (run, ["--prompt-ids", "a,b"], "--prompt-ids takes comma-separated integers"),
+    (run, ["--prompt-ids=-1"], "prompt token -1 is outside the vocabulary"),
+    (run, ["--prompt-ids", "1,2048"], "prompt token 2048 is outside the vocabulary"),
+    (run, ["--prompt-ids", ",".join(["1"] * 300)], "exceeds the model's context of 256"),
+    (run, ["--prompt", "x", "--draft-steps", "0"], "draft depth 0 is out of range"),
+    (run, ["--prompt", "x", "--draft-steps", "99"], "draft depth 99 is out of range"),
+    (run, ["--prompt", "x", "--steps", "0"], "num_steps must be at least 1"),
+    (run, ["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+    (run, ["--prompt", "x", "--max-new-tokens", "100000"], "exceeds the model's context"),
+    (run, ["--prompt", "x", "--threads", "-2"], "--threads must be at least 1"),
+    (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"], "not exact for draft-then-verify"),
+    (run, ["--prompt", "x", "--steps", "four"], "argument --steps: invalid int value"),
+    (run, ["--prompt", "x", "--model", "./demo2"], "no such model folder: ./demo2"),
+    (run, ["--prompt", "x", "--model", "nobody/no-such-model"], "could not get 'nobody/no-such-model' from the Hugging Face hub"),
+    (run, ["--prompt", "x", "--device", "cuda"], "device 'cuda': this torch .* has no CUDA"),
+    (run, ["--prompt", "x", "--model", OURO_A], "has no tokenizer.json: pass --prompt-ids"),
+    (run, ["--prompt", "x", "--model", "config"], r"config\.json is not valid JSON"),
+    (run, ["--prompt", "x", "--model", "truncated"], r"model\.safetensors is not a readable safetensors file"),
+    (run, ["--prompt", "x", "--model", "header"], r"model\.safetensors is not a readable safetensors file"),
+    (run, ["--prompt", "x", "--model", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
+    (run, ["--prompt", "x", "--model", "nan"], r"tensor '[\w.]+' in .*model\.safetensors holds NaN or inf"),
+    (bench, ["--limit", "0"], "--limit must be at least 1"),
+    (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
+    (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
+    (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
+]
+
+
+@pytest.mark.parametrize("script,argv,message", CASES, ids=[" ".join(c[1])[:40] for c in CASES])
+def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, capsys, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach out from a test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [damaged.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as exit:
+        script.main(argv + (["--out", ""] if script is bench else []))
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2
+    assert out == ""  # refused before the prompt is streamed
+    *log, line = err.splitlines()  # bench.py may have logged its loading first
+    assert line.startswith("error: ") and re.search(message, line)
+    assert script is bench and all(not line.startswith(("Traceback", "error")) for line in log) or not log
+
+
+def test_no_traceback_at_the_process_level(damaged):
+    for argv in (["--prompt-ids", "a,b"], ["--prompt", "def f(x):", "--model", damaged["nan"]]):
+        p = subprocess.run([sys.executable, os.path.join(HERE, "run.py")] + argv, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
+def strict(line):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_json_is_strict_for_every_method(capsys):
+    run.main(["--prompt-ids", "1,2,3", "--json", "--method", "all", "--max-new-tokens", "6"])
+    out = [strict(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["method"] for o in out] == ["ar1", "ar", "wfd", "ar-dtv", "dtv"]
+    assert all(o["tokens"] == out[0]["tokens"] and o["stats"]["tokens"] == len(o["tokens"]) for o in out)
+    assert out[0]["stats"]["acceptance"] is None and isinstance(out[0]["text"], str)
+    run.main(["--prompt-ids", "1,2,3", "--json", "--method", "all", "--kv", "shared", "--max-new-tokens", "6"])
+    captured = capsys.readouterr()
+    out = [strict(line) for line in captured.out.splitlines()]
+    assert [o["method"] for o in out] == ["ar1", "ar", "wfd"] and "skipping dtv" in captured.err
+    assert out[2]["stats"]["window"] == 2
+
+
+def test_the_text_and_stats_lines(capsys):
+    demo = models.load(run.DEMO)
+    ids = demo.tokenizer.encode("def f(x):").ids
+    run.main(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "4", "--steps", "4", "--method", "ar"])
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):") and "k=4 width 2, acceptance -," in out
+    run.main(["--prompt", "def f(x):", "--max-new-tokens", "4", "--steps", "4", "--kv", "shared"])
+    assert "T=4 k=2," in (out := capsys.readouterr().out) and "(shared, window 2)" in out
+
+
+def test_streaming_prints_whole_characters(capsys):
+    demo = models.load(run.DEMO)
+    text = "x = '中文 🙂'  # ok"
+    ids = demo.tokenizer.encode(text).ids
+    assert "\ufffd" in demo.tokenizer.decode(ids[:5])  # a character cut between tokens
+    stream, printed = run.TextStream(demo.tokenizer, ids[:1]), ""
+    for t in ids[1:]:
+        stream.add(t)
+        printed += capsys.readouterr().out
+        assert "\ufffd" not in printed
+    stream.show()
+    assert printed + capsys.readouterr().out == text + "\n"
+    run.main(["--prompt", text, "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert out.startswith(text) and "\ufffd" not in out
