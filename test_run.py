@@ -133,7 +133,7 @@ def test_the_text_and_stats_lines(capsys):
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and "k=4 width 2, acceptance -," in out
     run.main(["--prompt", "def f(x):", "--max-new-tokens", "4", "--steps", "4", "--kv", "shared"])
-    assert "T=4 k=2," in (out := capsys.readouterr().out) and "(shared, window 2)" in out
+    assert "T=4 k=2 width 2," in (out := capsys.readouterr().out) and "(shared, window 2)" in out
 
 
 def test_streaming_prints_whole_characters(capsys):
