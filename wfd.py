@@ -103,10 +103,11 @@ class Decoder:
     """One generation in flight: the model, its cache, the committed tokens and the counters.
     Every schedule is written in terms of start / advance / read / commit.
 
-    After the prefill every P, R and C call runs `width` lanes, whichever rows are in flight: a row
-    at position p lives in lane p % width, idle lanes are padded in (position -1) and their outputs
-    dropped. So a row's arithmetic never depends on the other rows of its call, and a schedule
-    computes the same bits as AR at the same width, in any dtype (README, "Exact in every precision")."""
+    After the prefill every R and C call runs `width` lanes, whichever rows are in flight: a row at
+    position p lives in lane p % width, idle lanes are padded in (position -1) and their outputs
+    dropped; P starts one row per call. So a row's arithmetic never depends on the other rows of its
+    call, and a schedule computes the same bits as AR at the same width, in any dtype (README,
+    "Exact in every precision")."""
 
     def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
                  eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
@@ -133,15 +134,12 @@ class Decoder:
         return torch.tensor(out)
 
     def start(self, pos, token):
-        """P: a new row at depth 0."""
-        row = Row(pos, token)
-        lane = pos % self.width
-        e, s = self.model.P(self.lanes([row], lambda r: r.token).clamp(min=0), self.lanes([row], lambda r: r.pos),
-                            self.cache)
-        self.s[lane] = s[lane]
+        """P: a new row at depth 0. Every schedule starts one row per call, so P has one shape, one row."""
+        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache)
+        self.s[pos % self.width] = s[0]
         if e is not None:
-            self.e[lane] = e[lane]
-        return row
+            self.e[pos % self.width] = e[0]
+        return Row(pos, token)
 
     def advance(self, rows):
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
