@@ -244,9 +244,6 @@ class LoopedLM(nn.Module):
             return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
         rows = []
         for p in pos.tolist():
-            if p < 0:  # an idle lane
-                rows.append(torch.zeros(a.dim))
-                continue
             key = hashlib.blake2b(f"{self.seed},{p}".encode(), digest_size=4).digest()
             g = torch.Generator().manual_seed(int.from_bytes(key, "little"))  # CPU generators keep 32 bits
             rows.append(nn.init.trunc_normal_(torch.empty(a.dim), std=a.init_std, a=-3 * a.init_std,
