@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import models
 import wfd
-from run import DEMO, DTYPES, Parser, check_at_least, default_eos, finite, one_line_errors, set_threads
+from run import DEMO, DTYPES, Parser, check_at_least, default_eos, finite, one_line_errors
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -269,7 +269,7 @@ def load_model(args, log):
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
-    set_threads(model, args.threads)
+    models.set_threads(model, args.threads)
     return model, model_id
 
 

@@ -58,6 +58,13 @@ class ModelArgs:
     max_seq_len: int       # length of the RoPE table: the model's context
     tie_embeddings: bool
     qk_bias: bool          # Huginn: learned bias on q and k, added before RoPE
+    # what sets the families apart, decided here once, so that the forward code has no family branches
+    inject: bool           # Huginn: P runs a prelude whose output e every recurrence reads through an
+                           # adapter, and s0 is a fresh latent; Ouro: s0 is the embedding
+    norm_each_step: bool   # Ouro: the final norm after every recurrence; Huginn: around the coda in C
+    post_norm: bool        # Huginn: norm(x + f(x)); Ouro: x + norm(f(x))
+    interleaved_rope: bool # Huginn rotates adjacent pairs, Ouro the two halves
+    embed_scale: float     # Huginn: sqrt(D); Ouro: 1
     init_std: float = 0.0  # Huginn: sigma of the "like-init" random initial state
 
     @staticmethod
@@ -87,7 +94,8 @@ class ModelArgs:
                 n_prelude=0, n_core=c["num_hidden_layers"], n_coda=0,
                 num_steps=c.get("total_ut_steps", 4), rope_theta=float(c.get("rope_theta", 1e6)),
                 norm_eps=c.get("rms_norm_eps", 1e-6), max_seq_len=c["max_position_embeddings"],
-                tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_bias=False)
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_bias=False,
+                inject=False, norm_each_step=True, post_norm=False, interleaved_rope=False, embed_scale=1.0)
         if model_type == "huginn_raven":
             dim, heads = c["n_embd"], c["n_heads"]
             return ModelArgs(
@@ -98,7 +106,8 @@ class ModelArgs:
                 n_coda=c["n_layers_in_coda"], num_steps=c.get("mean_recurrence", 32),
                 rope_theta=float(c.get("rope_base", 50000.0)), norm_eps=c.get("norm_eps", 1e-6),
                 max_seq_len=c["block_size"], tie_embeddings=bool(c.get("tie_embeddings", True)),
-                qk_bias=bool(c.get("qk_bias", True)),
+                qk_bias=bool(c.get("qk_bias", True)), inject=True, norm_each_step=False, post_norm=True,
+                interleaved_rope=True, embed_scale=math.sqrt(dim),
                 init_std=(c.get("init_values") or {}).get("std", math.sqrt(2 / (5 * dim))))
 
 
@@ -116,7 +125,7 @@ def rms_norm(x, weight, eps):
 
 
 def apply_rope(x, cos, sin, interleaved):
-    """x [N, heads, hd]; cos, sin [N, hd/2]. Huginn rotates adjacent pairs, Ouro the two halves."""
+    """x [N, heads, hd]; cos, sin [N, hd/2]. Rotates adjacent pairs (interleaved) or the two halves."""
     xf = x.float() if x.element_size() < 4 else x
     cos, sin = cos[:, None].to(xf.dtype), sin[:, None].to(xf.dtype)
     if interleaved:
@@ -137,34 +146,36 @@ def causal_attention(q, k, v):
 
 
 class Block(nn.Module):
-    """One transformer layer with four RMSNorms. The two families place the outer two differently:
-    Ouro normalises each sub-block's output before the residual add (x + norm(f(x))), Huginn
-    normalises the residual stream after it (norm(f(x) + x))."""
+    """One transformer layer with four RMSNorms: on the attention's input and output, on the MLP's
+    input and output (the output ones before or after the residual add: ModelArgs.post_norm)."""
 
     def __init__(self, a: ModelArgs, layer_id: int):
         super().__init__()
-        self.a, self.layer_id = a, layer_id  # layer_id addresses this layer's KV slots in kv.py
+        self.args, self.layer_id = a, layer_id  # layer_id addresses this layer's KV slots in kv.py
         self.qkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, a.n_heads, a.head_dim)) if a.qk_bias else None
         self.proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         self.fc = nn.Linear(a.dim, 2 * a.hidden_dim, bias=False)  # [gate; up]
         self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
-        self.norm1, self.norm2, self.norm3, self.norm4 = (nn.Parameter(torch.ones(a.dim)) for _ in range(4))
+        self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm = (
+            nn.Parameter(torch.ones(a.dim)) for _ in range(4))
 
-    def forward(self, x, cos, sin, attend):
-        a, eps = self.a, self.a.norm_eps
-        q, k, v = self.qkv(rms_norm(x, self.norm1, eps)).split(
+    def forward(self, x, cos, sin, attend):  # x [..., N, D]
+        a = self.args
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm, a.norm_eps)).split(
             [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k, v))  # [..., N, heads, hd]
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        interleaved = a.kind == "huginn"
-        q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
-        h = self.proj(attend(q, k, v).flatten(-2))
-        x = rms_norm(h + x, self.norm2, eps) if a.kind == "huginn" else x + rms_norm(h, self.norm2, eps)
-        gate, up = self.fc(rms_norm(x, self.norm3, eps)).chunk(2, dim=-1)
-        h = self.down(F.silu(gate) * up)
-        return rms_norm(h + x, self.norm4, eps) if a.kind == "huginn" else x + rms_norm(h, self.norm4, eps)
+        q, k = apply_rope(q, cos, sin, a.interleaved_rope), apply_rope(k, cos, sin, a.interleaved_rope)
+        x = self.residual(x, self.proj(attend(q, k, v).flatten(-2)), self.attn_out_norm)
+        gate, up = self.fc(rms_norm(x, self.mlp_norm, a.norm_eps)).chunk(2, dim=-1)
+        return self.residual(x, self.down(F.silu(gate) * up), self.mlp_out_norm)
+
+    def residual(self, x, h, norm):
+        if self.args.post_norm:
+            return rms_norm(h + x, norm, self.args.norm_eps)
+        return x + rms_norm(h, norm, self.args.norm_eps)
 
 
 class LoopedLM(nn.Module):
@@ -181,8 +192,8 @@ class LoopedLM(nn.Module):
         self.core = nn.ModuleList(Block(a, j) for j in range(a.n_core))
         self.prelude = nn.ModuleList(Block(a, a.n_core + i) for i in range(a.n_prelude))
         self.coda = nn.ModuleList(Block(a, a.n_core + a.n_prelude + i) for i in range(a.n_coda))
-        self.adapter = nn.Linear(2 * a.dim, a.dim, bias=False) if a.kind == "huginn" else None
-        self.norm = nn.Parameter(torch.ones(a.dim))  # Ouro: model.norm after every step; Huginn: ln_f
+        self.adapter = nn.Linear(2 * a.dim, a.dim, bias=False) if a.inject else None
+        self.norm = nn.Parameter(torch.ones(a.dim))  # Ouro's model.norm, Huginn's ln_f
         self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -203,24 +214,22 @@ class LoopedLM(nn.Module):
     # device sync); cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
 
     def P(self, ids, pos, cache=None):
-        x = self.embed(ids.to(self.device))
-        if self.kind == "ouro":
+        x = self.embed(ids.to(self.device)) * self.args.embed_scale  # [N, D]
+        if not self.args.inject:
             return None, x
-        x = x * math.sqrt(self.args.dim)
-        e = self._layers(self.prelude, x, pos, None, cache)
-        return e, self.initial_state(pos)
+        return self._layers(self.prelude, x, pos, None, cache), self.initial_state(pos)
 
     def R(self, s, e, pos, depth, cache=None):
         """One recurrence for every row. depth: an int (all rows alike) or an int64 tensor, per row."""
-        if self.kind == "huginn":
-            s = self.adapter(torch.cat([s, e], dim=-1))
-            return self._layers(self.core, s, pos, depth, cache)
-        return rms_norm(self._layers(self.core, s, pos, depth, cache), self.norm, self.args.norm_eps)
+        if self.args.inject:
+            s = self.adapter(torch.cat([s, e], dim=-1))  # [N, 2D] -> [N, D]
+        s = self._layers(self.core, s, pos, depth, cache)
+        return rms_norm(s, self.norm, self.args.norm_eps) if self.args.norm_each_step else s
 
     def C(self, s, pos, cache=None, rows=None):
         """Logits (float32) for `rows` of the batch (default all). Huginn's coda runs on every row,
         since it writes coda KV that later positions read."""
-        if self.kind == "huginn":
+        if not self.args.norm_each_step:  # the final norm sits around the coda instead
             eps = self.args.norm_eps
             s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, None, cache), self.norm, eps)
         return self.lm_head(s if rows is None else s[rows]).float()
@@ -261,7 +270,7 @@ class LoopedLM(nn.Module):
         self.check_positions(len(ids))
         e, s = self.P(ids, pos)
         if state is not None:
-            if self.kind != "huginn":
+            if not self.args.inject:
                 raise ValueError("an explicit initial state is only defined for Huginn")
             state = torch.as_tensor(state).reshape(-1, self.args.dim) if state.numel() else state
             if tuple(state.shape) != (len(ids), self.args.dim):
@@ -276,7 +285,17 @@ class LoopedLM(nn.Module):
             raise ValueError(f"{n} positions exceed the model's context of {self.args.max_seq_len}")
 
 
+def set_threads(model, threads=None):
+    """`threads` CPU threads, or one for a model under 100M parameters: its matmuls are too small to
+    gain from more, and lose a lot when another process holds a core."""
+    if threads or sum(p.numel() for p in model.parameters()) < 100e6:
+        torch.set_num_threads(threads or 1)
+
+
 # -- checkpoints ------------------------------------------------------------------------------------
+
+NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")  # Block's, in the checkpoints' order
+
 
 def checkpoint_layout(a: ModelArgs):
     """Our parameter name -> [(checkpoint key, rows)]: fused parameters are concatenations of
@@ -291,9 +310,9 @@ def checkpoint_layout(a: ModelArgs):
             layout[dst + "fc.weight"] = [(src + "mlp.gate_proj.weight", a.hidden_dim),
                                          (src + "mlp.up_proj.weight", a.hidden_dim)]
             layout[dst + "down.weight"] = [(src + "mlp.down_proj.weight", None)]
-            for n, name in zip("1234", ["input_layernorm", "input_layernorm_2",  # pre-attn, attn output
-                                        "post_attention_layernorm", "post_attention_layernorm_2"]):  # pre-MLP, MLP output
-                layout[dst + "norm" + n] = [(src + name + ".weight", None)]
+            for ours, theirs in zip(NORMS, ["input_layernorm", "input_layernorm_2",
+                                            "post_attention_layernorm", "post_attention_layernorm_2"]):
+                layout[dst + ours] = [(src + theirs + ".weight", None)]
         layout["embed.weight"] = [("model.embed_tokens.weight", None)]
         layout["norm"] = [("model.norm.weight", None)]
         unused = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}  # always full depth
@@ -308,8 +327,8 @@ def checkpoint_layout(a: ModelArgs):
                 layout[dst + "down.weight"] = [(src + "mlp.proj.weight", None)]
                 if a.qk_bias:
                     layout[dst + "qk_bias"] = [(src + "attn.qk_bias", None)]
-                for n in "1234":
-                    layout[dst + "norm" + n] = [(src + f"norm_{n}.weight", None)]
+                for n, ours in enumerate(NORMS, 1):
+                    layout[dst + ours] = [(src + f"norm_{n}.weight", None)]
         layout["embed.weight"] = [("transformer.wte.weight", None)]
         layout["adapter.weight"] = [("transformer.adapter.weight", None)]
         layout["norm"] = [("transformer.ln_f.weight", None)]
@@ -334,7 +353,7 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
     if init_seed is not None:
         g = torch.Generator().manual_seed(init_seed)
         for name, p in model.named_parameters():
-            if name.endswith(("norm", "norm1", "norm2", "norm3", "norm4")):
+            if name.endswith(("norm",) + NORMS):
                 w = 1 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5)
             elif name.endswith("qk_bias"):
                 w = 0.3 * torch.randn(p.shape, generator=g)

@@ -164,13 +164,6 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
     return "\n".join(out)
 
 
-def set_threads(model, threads=None):
-    """`threads` CPU threads, or one for a model under 100M parameters: its matmuls are too small to
-    gain from more, and lose a lot when another process holds a core."""
-    if threads or sum(p.numel() for p in model.parameters()) < 100e6:
-        torch.set_num_threads(threads or 1)
-
-
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
@@ -179,7 +172,7 @@ def main(argv=None):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
-    set_threads(model, args.threads)
+    models.set_threads(model, args.threads)
     prompt, tok = read_prompt(args, model), model.tokenizer
     eos = args.eos if args.eos is not None else default_eos(model)
     # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its

@@ -23,7 +23,6 @@ from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 
 import models
 import wfd
-from run import set_threads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EOS = "<|endoftext|>"
@@ -206,7 +205,7 @@ def evaluate(args):
 
     texts = eval_prompts(tok, length=PROMPT_LEN + args.new_tokens)
     prompts, sources = [t[:PROMPT_LEN] for t in texts], [t[PROMPT_LEN:] for t in texts]
-    set_threads(model)  # as run.py decodes it
+    models.set_threads(model)  # as run.py decodes it
     eos = model.config.get("eos_token_id")
     ar = [wfd.generate(model, p, args.new_tokens, method="ar", eos_token_id=eos) for p in prompts]
     shares = [distinct_4grams(g.tokens) for g in ar]

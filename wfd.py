@@ -122,7 +122,7 @@ class Decoder:
         self.cache = (KVCache(model, capacity, num_steps) if window is None else
                       SharedKVCache(model, capacity, num_steps, window))
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
-        self.s, self.e = lanes, (lanes.clone() if model.kind == "huginn" else None)  # state, injection
+        self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
