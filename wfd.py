@@ -368,18 +368,12 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
              on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
     """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
 
-    num_steps: full depth T (default: the model's). draft_steps: draft depth k in 1..T (default:
-    default_draft_steps). draft_len: drafts per DtV round. width: rows per P/R/C call after the
-    prefill (default ceil(T / k) for AR and WFD, draft_len + 1 for DtV; AR at width 1 is plain
-    decoding). capacity: positions the KV cache holds (default: the prompt and the new tokens but the
-    last; every call attends over all of them). kv: "full" (a KV slot per depth) or "shared"
-    (kv.SharedKVCache; window defaults to ceil(T / k), also for AR, so that AR and WFD with the same
-    k compute the same thing). temperature (0: greedy), top_k, top_p, seed: sampling by `choose`,
-    the same tokens for every method and draft depth with the same seed. draft_hook(pos, token) ->
-    token may replace each draft (tests force wrong drafts with it; the output must not change).
-    on_token(token) is called as each token commits. trace, a list, receives one dict per R call: the
-    rows it advanced as (position, depth reached), and the positions drafted (with the draft token),
-    accepted or rejected after it."""
+    T = num_steps, k = draft_steps (default: default_draft_steps); width: rows per R / C call (README,
+    "Exact in every precision"); capacity: the KV cache's positions; kv="shared" with its window (README,
+    "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed: `choose` (README, "Sampling").
+    draft_hook(pos, token) -> token may replace each draft (tests force wrong drafts with it: the output
+    must not change); on_token(token) is called as each token commits; trace, a list, receives one dict
+    per R call (run.py draws it)."""
     prompt, max_new_tokens, T, k, width, window = check_args(
         model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
         draft_len=draft_len, width=width, capacity=capacity, kv=kv, window=window, temperature=temperature,
@@ -399,11 +393,11 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    st = dec.stats
-    verified = st["accepted"] + st["rejected"]
-    st.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=len(dec.tokens),
-              acceptance=st["accepted"] / verified if verified else float("nan"),
-              r_calls_per_token=st["r_calls"] / len(dec.tokens), wall_s=wall,
-              tokens_per_s=len(dec.tokens) / wall, kv_bytes=dec.cache.nbytes, kv=kv, window=window,
-              width=width, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return Generation(dec.tokens, st, dec.logits)
+    stats, n = dec.stats, len(dec.tokens)
+    verified = stats["accepted"] + stats["rejected"]
+    stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=n,
+                 acceptance=stats["accepted"] / verified if verified else float("nan"),
+                 r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
+                 kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seed=seed)
+    return Generation(dec.tokens, stats, dec.logits)
