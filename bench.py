@@ -251,7 +251,8 @@ def parse_args(argv=None):
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none)")
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; with --compile at least 2, "
+                   "which it takes to compile)")
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
                    "else max(1, T // 8))")
