@@ -131,7 +131,7 @@ def settings(name, args):
     return dict(method=method, kv=kv, width=dict(wave=None, dtv=args.draft_len + 1).get(width, width),
                 num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
                 capacity=args.capacity, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed)
+                seed=args.seed, compile=args.compile)
 
 
 def run(model, prompt, name, args, max_new_tokens, ref=None):
@@ -203,6 +203,28 @@ def table(results, names, ids):
     return "\n".join(lines), figs
 
 
+def weight_bytes_per_token(model, num_steps):
+    """Bytes of weights plain AR reads per token: the looped block (and Huginn's adapter) T times,
+    the prelude, the coda and the head once, and one embedding row (the norms are too small to count)."""
+    nbytes = lambda modules: sum(p.nbytes for m in modules if m is not None for p in m.parameters())
+    return (num_steps * nbytes([model.core, model.adapter]) + nbytes([model.prelude, model.coda, model.lm_head])
+            + model.embed.weight[0].nbytes)
+
+
+def memory_bandwidth(device, nbytes=2**28):
+    """Bytes per second moved by a device-to-device copy of 256 MiB (read and write), the best of 5."""
+    x = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    y, best = torch.empty_like(x), math.inf
+    sync = torch.cuda.synchronize if x.is_cuda else lambda: None
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
@@ -229,13 +251,18 @@ def parse_args(argv=None):
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none)")
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; with --compile at least 2, "
+                   "which it takes to compile)")
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
                    "else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per DtV round")
-    p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens); every "
-                   "call attends over all of them")
+    p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
+                   "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
+                   "every call attends over all of them")
+    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
+                   "compiled by torch.compile (on CUDA as CUDA graphs); the warm-up, of at least 2 tokens per "
+                   "method, pays for compiling and its time is reported apart")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's; float32 for random weights")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
@@ -295,12 +322,17 @@ def run_all(model, prompts, names, args, log):
     """Every method on every prompt, each reference before the runs checked against it."""
     for name in names:  # bad settings fail here, not after the reference runs
         wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **settings(name, args))
-    if args.warmup:
-        # one token is the prefill alone, the same for every method: one run touches all the weights
-        warm = names if args.warmup > 1 else names[:1]
-        log(f"warm-up: {args.warmup} tokens, {', '.join(warm)}")
+    compile_s = {}
+    if args.warmup or args.compile:
+        # one token is the prefill alone, the same for every method: one run touches all the weights.
+        # Compiling needs a decoding step of every method: its width's P, R and C calls
+        tokens = max(args.warmup, 2) if args.compile else args.warmup
+        warm = names if tokens > 1 else names[:1]
+        log(f"warm-up: {tokens} tokens, {', '.join(warm)}" + (" (compiling)" if args.compile else ""))
         for name in warm:
-            run(model, prompts[0], name, args, args.warmup)
+            t0 = time.perf_counter()
+            run(model, prompts[0], name, args, tokens)
+            compile_s[name] = time.perf_counter() - t0
     results = defaultdict(list)  # name -> one result per prompt
     bar = tqdm(total=len(prompts) * len(names), unit="run", file=sys.stderr, disable=None)  # on a terminal
     for i, prompt in enumerate(prompts):
@@ -319,7 +351,7 @@ def run_all(model, prompts, names, args, log):
                 + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
             bar.update()
     bar.close()
-    return results
+    return results, compile_s
 
 
 def decoding(args):
@@ -329,7 +361,7 @@ def decoding(args):
     return f"sampled at temperature {args.temperature}{filters}, seed {args.seed}"
 
 
-def print_summary(model, model_id, prompts, source, names, results, args, argv):
+def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
     k = wfd.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
@@ -341,7 +373,9 @@ def print_summary(model, model_id, prompts, source, names, results, args, argv):
           f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
     print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
-          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, batch 1\n")
+          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, batch 1"
+          + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV capacity "
+             f"{args.capacity}" if args.compile else "") + "\n")
     by_cat = defaultdict(list)
     for i, p in enumerate(prompts):
         by_cat[p["category"]].append(i)
@@ -352,6 +386,15 @@ def print_summary(model, model_id, prompts, source, names, results, args, argv):
     print(f"### overall ({len(prompts)} prompts{emulated})\n\n{text}\n\n{LEGEND}")
     per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
                 for n in names}
+    if compile_s:
+        print(f"\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
+              "finds its graphs)" if args.compile else "") + ": "
+              + ", ".join(f"{METHODS[n][3]} {t:.1f} s" for n, t in compile_s.items()))
+    per_token, bandwidth = weight_bytes_per_token(model, T), memory_bandwidth(model.device)
+    bound = bandwidth / per_token
+    print(f"\nBandwidth bound: {bound:.2f} tok/s ({per_token / 1e9:.3f} GB of weights read per AR token, "
+          f"{bandwidth / 1e9:.1f} GB/s measured by a copy on the device); AR decodes at "
+          f"{figs['ar']['decode_tok_s']:.2f} tok/s, {100 * figs['ar']['decode_tok_s'] / bound:.1f}% of it")
     print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
           + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
     if args.acceptance is not None and "wfd" in figs:
@@ -395,8 +438,10 @@ def main(argv=None):
     names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
     prompts, source = load_prompts(model, args, log)
-    results = run_all(model, prompts, names, args, log)
-    figs = print_summary(model, model_id, prompts, source, names, results, args, argv)
+    if args.compile and args.capacity is None:  # one KV shape, so one compiled graph, for every prompt
+        args.capacity = max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1
+    results, compile_s = run_all(model, prompts, names, args, log)
+    figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
     if args.out:
         write_answers(model, model_id, names, results, args)
         log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl")

@@ -45,18 +45,20 @@ class KVCache:
     def nbytes(self):
         return self.k.nbytes + self.v.nbytes
 
-    def prepare(self, pos, depth):
-        """Once per call. pos: host int64 [N], -1 for idle lanes; depth: an int (every row) or a host
-        int64 tensor [N] (one per row)."""
+    def check(self, pos):
+        """Before a call, on the host (pos: int64 [N], -1 for idle lanes): no device sync."""
         top = int(pos.max())
         if top >= self.capacity:
             raise IndexError(f"position {top} is past the KV cache's capacity of {self.capacity} positions")
-        device = self.k.device
-        col = torch.where(pos < 0, self.scratch, pos).to(device, non_blocking=True)
-        keys = torch.arange(self.capacity + 1, device=device)
+
+    def prepare(self, pos, depth):
+        """Once per call, on the device: device work only, so that a compiled call takes it in.
+        pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row)."""
+        col = torch.where(pos < 0, self.scratch, pos)
+        keys = torch.arange(self.capacity + 1, device=col.device)
         visible = keys[None] <= col[:, None]  # idle lanes see everything: finite, and dropped
         if torch.is_tensor(depth):
-            return Step(self, col, visible, depth=depth.to(device, non_blocking=True))
+            return Step(self, col, visible, depth=depth)
         return Step(self, col, visible, depth0=depth)
 
     def attend(self, step, layer, q, k, v):

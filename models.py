@@ -178,6 +178,13 @@ class Block(nn.Module):
         return x + rms_norm(h, norm, self.args.norm_eps)
 
 
+def replay(graphed, *args):
+    """A call of a CUDA-graphed function: its output lives in memory that the next replay
+    overwrites, so the caller gets a copy."""
+    torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
+    return graphed(*args).clone()
+
+
 class LoopedLM(nn.Module):
     def __init__(self, a: ModelArgs, config: dict = None, state_init="random", seed=0):
         super().__init__()
@@ -187,6 +194,7 @@ class LoopedLM(nn.Module):
         self.kind, self.num_steps = a.kind, a.num_steps
         self.state_init, self.seed = state_init, seed
         self.tokenizer = None
+        self._compiled = None
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # KV layer ids: the looped layers first (one slot per depth each), then prelude and coda
         self.core = nn.ModuleList(Block(a, j) for j in range(a.n_core))
@@ -212,37 +220,77 @@ class LoopedLM(nn.Module):
     # -- the three calls --------------------------------------------------------------------------
     # pos: int64 positions of the rows, -1 for an idle lane (a CPU tensor: its max is read without a
     # device sync); cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
+    # compiled: the call's device work (its body, below) runs compiled by torch.compile; what reads
+    # host data (to_device) stays eager.
 
-    def P(self, ids, pos, cache=None):
+    def P(self, ids, pos, cache=None, compiled=False):
         x = self.embed(ids.to(self.device)) * self.args.embed_scale  # [N, D]
         if not self.args.inject:
             return None, x
-        return self._layers(self.prelude, x, pos, None, cache), self.initial_state(pos)
+        return self._call("p_body", compiled)(x, *self.to_device(pos, None, cache)), self.initial_state(pos)
 
-    def R(self, s, e, pos, depth, cache=None):
-        """One recurrence for every row. depth: an int (all rows alike) or an int64 tensor, per row."""
-        if self.args.inject:
-            s = self.adapter(torch.cat([s, e], dim=-1))  # [N, 2D] -> [N, D]
-        s = self._layers(self.core, s, pos, depth, cache)
-        return rms_norm(s, self.norm, self.args.norm_eps) if self.args.norm_each_step else s
+    def R(self, s, e, pos, depth, cache=None, compiled=False):
+        """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
+        or an int64 tensor, per row."""
+        return self._call("r_body", compiled)(s, e, *self.to_device(pos, depth, cache))
 
-    def C(self, s, pos, cache=None, rows=None):
+    def C(self, s, pos, cache=None, rows=None, compiled=False):
         """Logits (float32) for `rows` of the batch (default all). Huginn's coda runs on every row,
-        since it writes coda KV that later positions read."""
+        since it writes coda KV that later positions read. Without a coda (Ouro) C is the head alone,
+        which runs eager: one matmul costs less than a compiled call's entry."""
+        compiled = compiled and len(self.coda) > 0
+        return self._call("c_body", compiled)(s, *self.to_device(pos, None, cache), rows)
+
+    def to_device(self, pos, depth, cache):
+        """A call's host inputs, checked against the cache and moved to the device."""
+        if cache is not None:
+            cache.check(pos)
+        move = lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t
+        return move(pos), move(depth), cache
+
+    def p_body(self, x, pos, depth, cache):
+        return self._layers(self.prelude, x, pos, depth, cache)
+
+    def r_body(self, s, e, pos, depth, cache):
+        x = self.adapter(torch.cat([s, e], dim=-1)) if self.args.inject else s  # [N, 2D] -> [N, D]
+        x = self._layers(self.core, x, pos, depth, cache)
+        x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
+        return torch.where(pos[:, None] >= 0, x, s)
+
+    def c_body(self, s, pos, depth, cache, rows=None):
         if not self.args.norm_each_step:  # the final norm sits around the coda instead
             eps = self.args.norm_eps
-            s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, None, cache), self.norm, eps)
+            s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, depth, cache), self.norm, eps)
         return self.lm_head(s if rows is None else s[rows]).float()
 
     def _layers(self, blocks, x, pos, depth, cache):
-        # positions, RoPE rows, KV columns and masks: built once per call, not once per layer
-        p = pos.clamp(min=0).to(self.device, non_blocking=True)  # idle lanes (-1) take any RoPE row
+        # RoPE rows, KV columns and masks: built once per call, not once per layer
+        p = pos.clamp(min=0)  # idle lanes (-1) take any RoPE row
         cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
         step = None if cache is None else cache.prepare(pos, depth)
         for blk in blocks:
             attend = causal_attention if step is None else partial(step.attend, blk.layer_id)
             x = blk(x, cos, sin, attend)
         return x
+
+    def _call(self, name, compiled):
+        return self.compiled_calls()[name] if compiled else getattr(self, name)
+
+    def compiled_calls(self):
+        """p_body, r_body and c_body compiled with torch.compile, made once per model: every later
+        generation reuses them. Each fixed shape (width, capacity) compiles once, then hits its
+        graph; on CUDA each call replays a CUDA graph (mode "reduce-overhead"); on a CPU the graph's
+        wrapper is C++ (cpp_wrapper), which takes less per call than a Python one."""
+        if self._compiled is None:
+            cuda = self.device.type == "cuda"
+            # one graph per (call, width, cache layout): widths and caches add up in one process
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            compile = partial(torch.compile, fullgraph=True, dynamic=False,
+                              **(dict(mode="reduce-overhead") if cuda else dict(options={"cpp_wrapper": True})))
+            self._compiled = {name: compile(getattr(self, name)) for name in ("p_body", "r_body", "c_body")}
+            if cuda:
+                self._compiled = {name: partial(replay, fn) for name, fn in self._compiled.items()}
+        return self._compiled
 
     def initial_state(self, pos):
         """Huginn's s0. "random" draws the like-init distribution (truncated normal at +-3 sigma,

@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
     p.add_argument("--seed", type=int, default=0, help="the run's randomness: the sampling noise and "
                    "Huginn's random initial state")
+    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
+                   "compiled by torch.compile (on CUDA as CUDA graphs), after a short run of each method that "
+                   "compiles them")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "
@@ -185,9 +188,14 @@ def main(argv=None):
         print("note: skipping dtv, which cannot share KV exactly (its verify pass writes final-depth KV "
               "of positions it may reject)", file=sys.stderr)
     settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len, kv=args.kv,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    compile=args.compile)
     for _, method, width in runs:  # every input error out before the first line of output
         wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, **settings)
+    if args.compile:  # compile each run's calls before it is timed: a 2-token run, at the same KV capacity
+        settings["capacity"] = len(prompt) + args.max_new_tokens - 1
+        for _, method, width in runs:
+            wfd.generate(model, prompt, min(2, args.max_new_tokens), method=method, width=width, **settings)
     stream = not args.json and len(runs) == 1 and tok is not None
     results = {}
     for name, method, width in runs:

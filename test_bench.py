@@ -2,6 +2,7 @@
 They check the table and the answer files, never timings."""
 import json
 import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -101,6 +102,27 @@ def test_emulated_acceptance_extremes(capsys):
             assert figs[name]["acceptance"] == float(a) and figs[name]["identical"] == 1
         if a == "1.0":  # every draft right: fewer sequential R calls than AR
             assert figs["wfd"]["r_per_token"] < figs["ar"]["r_per_token"]
+
+
+def test_compiled(capsys):
+    """--compile: one KV capacity for every prompt, the warm-up compiles (and is timed apart), the
+    output is still exact. k = T puts every method at width 1: one graph to compile."""
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    out, text = run_bench(capsys, ["--random-weights", config, "--compile", "--methods", "wfd", "--draft-steps", "4",
+                                   "--num-prompts", "2", "--prompt-len", "4", "--max-new-tokens", "12", "--warmup",
+                                   "0", "--out", ""])
+    assert "compiled (torch.compile), KV capacity 15" in text and "Warm-up, wall clock (compiling" in text
+    assert all(r["stats"]["compiled"] for n in out["names"] for r in out["results"][n])
+    assert all(cells[-2] == "100%" for cells in rows(text).values())
+
+
+def test_gpu_check_smoke():
+    """gpu_check.sh, the GPU checks, in its CPU smoke mode: both configs benchmarked, exact, and AR
+    set against the bandwidth bound."""
+    done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Bandwidth bound: ") == 2 and done.stdout.count("| WFD | ") == 2
+    assert "OUTPUT DIFFERS" not in done.stderr
 
 
 def test_chat_templates():

@@ -317,8 +317,14 @@ def tiny_config(kind, seed):
                 block_size=96, qk_bias=True, tie_embeddings=True)
 
 
+# WFD_TEST_DEVICE=cuda builds the decoding tests' models on a GPU (gpu_check.sh); the golden files
+# stay on the CPU
+DEVICE = os.environ.get("WFD_TEST_DEVICE", "cpu")
+
+
 def tiny_model(kind, seed, dtype=torch.float64):
-    return models.from_config(tiny_config(kind, seed), dtype=dtype, state_init="random", seed=seed, init_seed=seed)
+    return models.from_config(tiny_config(kind, seed), device=DEVICE, dtype=dtype, state_init="random", seed=seed,
+                              init_seed=seed)
 
 
 CASES = [(kind, seed) for kind in ("ouro", "huginn") for seed in (0, 1, 2)]

@@ -10,6 +10,7 @@ import hashlib
 import math
 import numbers
 import time
+import weakref
 from dataclasses import dataclass, field
 from math import ceil
 from typing import Callable, Optional
@@ -99,6 +100,28 @@ class Generation:
     logits: list = None      # with keep_logits: the full-depth logits [V] that chose each token
 
 
+STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}
+
+
+def static_cache(model, capacity, num_steps, window):
+    """The KV cache of compiled decoding, one per model and setting, kept for the process and zeroed
+    for each generation: its buffers keep their addresses, which a CUDA graph replays on (so they are
+    marked static: their writes stay inside the graph), and a generation with the same settings finds
+    the graphs the last one compiled."""
+    key = (capacity, num_steps, window, model.device, model.dtype)
+    caches = STATIC_CACHES.setdefault(model, {})
+    if key not in caches:
+        caches[key] = (KVCache(model, capacity, num_steps) if window is None else
+                       SharedKVCache(model, capacity, num_steps, window))
+        for t in vars(caches[key]).values():
+            if torch.is_tensor(t):
+                torch._dynamo.mark_static_address(t)
+    for t in vars(caches[key]).values():
+        if torch.is_tensor(t):
+            t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
+    return caches[key]
+
+
 class Decoder:
     """One generation in flight: the model, its cache, the committed tokens and the counters.
     Every schedule is written in terms of start / advance / read / commit.
@@ -111,31 +134,35 @@ class Decoder:
 
     def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
                  eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
-                 sampling=Sampling()):
+                 sampling=Sampling(), compile=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
+        self.compiled = compile
         self.sampling = sampling
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         capacity = capacity or self.last_pos + 1
-        self.cache = (KVCache(model, capacity, num_steps) if window is None else
-                      SharedKVCache(model, capacity, num_steps, window))
+        if compile:
+            self.cache = static_cache(model, capacity, num_steps, window)
+        else:
+            self.cache = (KVCache(model, capacity, num_steps) if window is None else
+                          SharedKVCache(model, capacity, num_steps, window))
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
-    def lanes(self, rows, value):
-        """A host tensor [width]: value(row) in each row's lane, -1 in the idle ones."""
-        out = [-1] * self.width
+    def lanes(self, rows, value, idle=-1):
+        """A host tensor [width]: value(row) in each row's lane, `idle` in the others."""
+        out = [idle] * self.width
         for r in rows:
             out[r.pos % self.width] = value(r)
         return torch.tensor(out)
 
     def start(self, pos, token):
         """P: a new row at depth 0. Every schedule starts one row per call, so P has one shape, one row."""
-        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache)
+        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache, compiled=self.compiled)
         self.s[pos % self.width] = s[0]
         if e is not None:
             self.e[pos % self.width] = e[0]
@@ -144,10 +171,8 @@ class Decoder:
     def advance(self, rows):
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
         keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        depth = self.lanes(rows, lambda r: r.depth).clamp(min=0)
-        s = self.model.R(self.s, self.e, self.lanes(rows, lambda r: r.pos), depth, self.cache)
-        busy = (self.lanes(rows, lambda r: 1) > 0).to(s.device, non_blocking=True)[:, None]
-        self.s = torch.where(busy, s, self.s)
+        self.s = self.model.R(self.s, self.e, self.lanes(rows, lambda r: r.pos), self.lanes(rows, lambda r: r.depth, idle=0),
+                              self.cache, compiled=self.compiled)
         for r in rows:
             r.depth += 1
         if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
@@ -159,7 +184,8 @@ class Decoder:
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         pos = self.lanes(rows, lambda r: r.pos)
         self.stats["c_calls"] += 1
-        return self.readouts(self.model.C(self.s, pos, self.cache), [r.pos % self.width for r in rows],
+        return self.readouts(self.model.C(self.s, pos, self.cache, compiled=self.compiled),
+                             [r.pos % self.width for r in rows],
                              [r.pos + 1 for r in rows])
 
     def readouts(self, logits, lanes, pos):
@@ -300,7 +326,7 @@ def prompt_list(prompt_ids):
 
 def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
                draft_len=4, width=None, capacity=None, kv="full", window=None, temperature=0.0, top_k=None,
-               top_p=None, seed=0):
+               top_p=None, seed=0, compile=False):
     """generate()'s arguments checked and normalized: (prompt as a list of ints, max_new_tokens as an
     int, T, k, width, window). run.py calls it too, so that bad input is refused before anything is
     printed."""
@@ -359,13 +385,15 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
         raise ValueError("top_k and top_p need temperature > 0: greedy decoding has nothing to filter")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, not {seed!r}")
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, not {compile!r}")
     return prompt, max_new_tokens, T, k, width, window
 
 
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
              draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
              temperature=0.0, top_k=None, top_p=None, seed=0, draft_hook: Callable[[int, int], int] = None,
-             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False):
+             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False, compile=False):
     """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
 
     T = num_steps, k = draft_steps (default: default_draft_steps); width: rows per R / C call (README,
@@ -373,16 +401,17 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed: `choose` (README, "Sampling").
     draft_hook(pos, token) -> token may replace each draft (tests force wrong drafts with it: the output
     must not change); on_token(token) is called as each token commits; trace, a list, receives one dict
-    per R call (run.py draws it)."""
+    per R call (run.py draws it). compile: the P, R and C calls after the prefill run compiled (README,
+    "Compiled decoding"); the first generation at each width and capacity pays for compiling."""
     prompt, max_new_tokens, T, k, width, window = check_args(
         model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
         draft_len=draft_len, width=width, capacity=capacity, kv=kv, window=window, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed)
+        top_k=top_k, top_p=top_p, seed=seed, compile=compile)
     t0 = time.perf_counter()
     with torch.no_grad():
         dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,
                       eos_token_id=eos_token_id, draft_hook=draft_hook, on_token=on_token, trace=trace,
-                      keep_logits=keep_logits, sampling=Sampling(temperature, top_k, top_p, seed))
+                      keep_logits=keep_logits, sampling=Sampling(temperature, top_k, top_p, seed), compile=compile)
         if not dec.prefill():
             if method == "ar":
                 autoregressive(dec)
@@ -399,5 +428,5 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                  acceptance=stats["accepted"] / verified if verified else float("nan"),
                  r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
                  kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, temperature=temperature,
-                 top_k=top_k, top_p=top_p, seed=seed)
+                 top_k=top_k, top_p=top_p, seed=seed, compiled=compile)
     return Generation(dec.tokens, stats, dec.logits)

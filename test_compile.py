@@ -1,0 +1,37 @@
+"""Compiled decoding (generate(compile=True), README "Compiled decoding"): every schedule gives the
+tokens and logits of AR compiled at the same width, greedy and sampled, and runs AR's graphs. There
+is no skip: a machine without the C compiler that torch.compile needs on a CPU fails here."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import wfd
+from test_wfd import same_logits, tiny_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
+    model = tiny_model("huginn", 0, dtype)  # a prelude and a coda: P, R and C all compiled
+    T, prompt, n_new = model.num_steps, [3, 1, 4], 20
+    # one width and capacity for every run, so that one set of graphs serves them all (compiling is slow)
+    width, capacity = T, len(prompt) + n_new
+
+    def run(method, k, **kw):
+        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_len=1 + k % (width - 1),
+                            width=width, capacity=capacity, keep_logits=True, compile=True, **kw)
+
+    graphs = counters["stats"]["unique_graphs"]
+    greedy = run("ar", T)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > graphs  # it compiled, and did not fall back to eager
+    for sampling in (dict(), dict(temperature=0.9, seed=1)):
+        ar = run("ar", T, **sampling)
+        for k in range(1, T + 1):
+            for method in ("wfd", "dtv"):
+                out = run(method, k, **sampling)
+                assert same_logits(out, ar) and out.stats["compiled"], (method, k, sampling)
+    assert counters["stats"]["unique_graphs"] == compiled  # no recompiles: every run found AR's graphs
+    if dtype == torch.float32:  # the compiled calls compute the eager model, up to rounding
+        eager = wfd.generate(model, prompt, n_new, method="ar", width=width, keep_logits=True)
+        assert eager.tokens == greedy.tokens
+        assert torch.allclose(torch.stack(eager.logits), torch.stack(greedy.logits), atol=1e-4)
