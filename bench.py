@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import models
 import wfd
-from run import DEMO, DTYPES, Parser, check_at_least, default_eos, finite, one_line_errors
+from run import DEMO, DTYPES, Parser, add_sampling_args, check_at_least, default_eos, finite, one_line_errors
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -269,12 +269,7 @@ def parse_args(argv=None):
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
                    "parameters, else torch's default)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample "
-                   "(every method gives AR's sampled tokens with the same seed)")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
-    p.add_argument("--seed", type=int, default=0, help="seeds prompts, the acceptance stream, the sampling "
-                   "noise, Huginn's s0")
+    add_sampling_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default="bench_out", help="folder for the JSONL answers ('' for none)")
     return p.parse_args(argv)

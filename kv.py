@@ -41,9 +41,12 @@ class KVCache:
         self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
+    def buffers(self):
+        return [t for t in vars(self).values() if torch.is_tensor(t)]
+
     @property
     def nbytes(self):
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.buffers())
 
     def check(self, pos):
         """Before a call, on the host (pos: int64 [N], -1 for idle lanes): no device sync."""
@@ -80,6 +83,12 @@ class KVCache:
         return y.transpose(0, 1)
 
 
+def make_cache(model, capacity, num_steps, window=None):
+    """A full per-depth cache, or with a window the shared one."""
+    return (KVCache(model, capacity, num_steps) if window is None else
+            SharedKVCache(model, capacity, num_steps, window))
+
+
 class SharedKVCache(KVCache):
     """Cross-recurrence KV sharing that stays exact with respect to its own AR (README, "Exact
     cross-recurrence KV sharing"): after the prompt, a row at position p and depth d reads the
@@ -97,10 +106,6 @@ class SharedKVCache(KVCache):
         self.final_v = torch.zeros_like(self.final_k)
         self.ring_k = torch.zeros(ring, device=model.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
-
-    @property
-    def nbytes(self):
-        return super().nbytes + sum(t.nbytes for t in (self.final_k, self.final_v, self.ring_k, self.ring_v))
 
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:

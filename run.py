@@ -44,6 +44,15 @@ def check_at_least(args, **least):
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {value}")
 
 
+def add_sampling_args(p, seed_help):
+    """--temperature, --top-k, --top-p, --seed: run.py's and bench.py's alike."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample "
+                   "(every method gives AR's sampled tokens with the same seed)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEMO, help="model folder or Hugging Face hub id (default: the demo model)")
@@ -62,12 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
                    "whose matmuls are too small to share between cores; else torch's default)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample, "
-                   "with the same tokens from every method")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
-    p.add_argument("--seed", type=int, default=0, help="the run's randomness: the sampling noise and "
-                   "Huginn's random initial state")
+    add_sampling_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state")
     p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
                    "compiled by torch.compile (on CUDA as CUDA graphs), after a short run of each method that "
                    "compiles them")

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kv import KVCache, SharedKVCache
+from kv import make_cache
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,11 @@ def static_cache(model, capacity, num_steps, window):
     key = (capacity, num_steps, window, model.device, model.dtype)
     caches = STATIC_CACHES.setdefault(model, {})
     if key not in caches:
-        caches[key] = (KVCache(model, capacity, num_steps) if window is None else
-                       SharedKVCache(model, capacity, num_steps, window))
-        for t in vars(caches[key]).values():
-            if torch.is_tensor(t):
-                torch._dynamo.mark_static_address(t)
-    for t in vars(caches[key]).values():
-        if torch.is_tensor(t):
-            t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
+        caches[key] = make_cache(model, capacity, num_steps, window)
+        for t in caches[key].buffers():
+            torch._dynamo.mark_static_address(t)
+    for t in caches[key].buffers():
+        t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
     return caches[key]
 
 
@@ -143,11 +140,7 @@ class Decoder:
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         capacity = capacity or self.last_pos + 1
-        if compile:
-            self.cache = static_cache(model, capacity, num_steps, window)
-        else:
-            self.cache = (KVCache(model, capacity, num_steps) if window is None else
-                          SharedKVCache(model, capacity, num_steps, window))
+        self.cache = (static_cache if compile else make_cache)(model, capacity, num_steps, window)
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
@@ -171,8 +164,8 @@ class Decoder:
     def advance(self, rows):
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
         keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        self.s = self.model.R(self.s, self.e, self.lanes(rows, lambda r: r.pos), self.lanes(rows, lambda r: r.depth, idle=0),
-                              self.cache, compiled=self.compiled)
+        pos, depth = self.lanes(rows, lambda r: r.pos), self.lanes(rows, lambda r: r.depth, idle=0)
+        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
         for r in rows:
             r.depth += 1
         if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
