@@ -182,7 +182,8 @@ def replay(graphed, *args):
     """A call of a CUDA-graphed function: its output lives in memory that the next replay
     overwrites, so the caller gets a copy."""
     torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
-    return graphed(*args).clone()
+    out = graphed(*args)
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
 
 class LoopedLM(nn.Module):
@@ -194,7 +195,7 @@ class LoopedLM(nn.Module):
         self.kind, self.num_steps = a.kind, a.num_steps
         self.state_init, self.seed = state_init, seed
         self.tokenizer = None
-        self._compiled = None
+        self._compiled = {}  # function -> its compiled version
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # KV layer ids: the looped layers first (one slot per depth each), then prelude and coda
         self.core = nn.ModuleList(Block(a, j) for j in range(a.n_core))
@@ -227,19 +228,20 @@ class LoopedLM(nn.Module):
         x = self.embed(ids.to(self.device)) * self.args.embed_scale  # [N, D]
         if not self.args.inject:
             return None, x
-        return self._call("p_body", compiled)(x, *self.to_device(pos, None, cache)), self.initial_state(pos)
+        body = self.compiled(self.p_body) if compiled else self.p_body
+        return body(x, *self.to_device(pos, None, cache)), self.initial_state(pos)
 
     def R(self, s, e, pos, depth, cache=None, compiled=False):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row."""
-        return self._call("r_body", compiled)(s, e, *self.to_device(pos, depth, cache))
+        body = self.compiled(self.r_body) if compiled else self.r_body
+        return body(s, e, *self.to_device(pos, depth, cache))
 
-    def C(self, s, pos, cache=None, rows=None, compiled=False):
+    def C(self, s, pos, cache=None, rows=None):
         """Logits (float32) for `rows` of the batch (default all). Huginn's coda runs on every row,
-        since it writes coda KV that later positions read. Without a coda (Ouro) C is the head alone,
-        which runs eager: one matmul costs less than a compiled call's entry."""
-        compiled = compiled and len(self.coda) > 0
-        return self._call("c_body", compiled)(s, *self.to_device(pos, None, cache), rows)
+        since it writes coda KV that later positions read. (Compiled decoding compiles c_body together
+        with the choice of tokens: wfd.read_body.)"""
+        return self.c_body(s, *self.to_device(pos, None, cache), rows)
 
     def to_device(self, pos, depth, cache):
         """A call's host inputs, checked against the cache and moved to the device."""
@@ -273,24 +275,19 @@ class LoopedLM(nn.Module):
             x = blk(x, cos, sin, attend)
         return x
 
-    def _call(self, name, compiled):
-        return self.compiled_calls()[name] if compiled else getattr(self, name)
-
-    def compiled_calls(self):
-        """p_body, r_body and c_body compiled with torch.compile, made once per model: every later
-        generation reuses them. Each fixed shape (width, capacity) compiles once, then hits its
-        graph; on CUDA each call replays a CUDA graph (mode "reduce-overhead"); on a CPU the graph's
-        wrapper is C++ (cpp_wrapper), which takes less per call than a Python one."""
-        if self._compiled is None:
+    def compiled(self, fn):
+        """fn (a body above, or another function of the model's device work) compiled by torch.compile,
+        once per model: every later generation reuses it. Each fixed shape (width, capacity) compiles
+        once, then hits its graph; on CUDA each call replays a CUDA graph (mode "reduce-overhead"); on
+        a CPU the graph's wrapper is C++ (cpp_wrapper), which takes less per call than a Python one."""
+        if fn not in self._compiled:
             cuda = self.device.type == "cuda"
             # one graph per (call, width, cache layout): widths and caches add up in one process
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            compile = partial(torch.compile, fullgraph=True, dynamic=False,
-                              **(dict(mode="reduce-overhead") if cuda else dict(options={"cpp_wrapper": True})))
-            self._compiled = {name: compile(getattr(self, name)) for name in ("p_body", "r_body", "c_body")}
-            if cuda:
-                self._compiled = {name: partial(replay, fn) for name, fn in self._compiled.items()}
-        return self._compiled
+            graphed = torch.compile(fn, fullgraph=True, dynamic=False,
+                                    **(dict(mode="reduce-overhead") if cuda else dict(options={"cpp_wrapper": True})))
+            self._compiled[fn] = partial(replay, graphed) if cuda else graphed
+        return self._compiled[fn]
 
     def initial_state(self, pos):
         """Huginn's s0. "random" draws the like-init distribution (truncated normal at +-3 sigma,

@@ -5,8 +5,6 @@ a row being one token position at one depth, through the model's three calls P (
 (advance rows by one recurrence) and C (read a token out of a row). See README.md, "The method in the
 code" and "Sampling".
 """
-import functools
-import hashlib
 import math
 import numbers
 import time
@@ -41,18 +39,16 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-@functools.lru_cache(maxsize=4)
-def token_keys(vocab, device):
-    """mix32 of every token id: the same for every call, and a third of the hash's work."""
-    return mix32(torch.arange(vocab, device=device))
-
-
 def gumbel(seed, pos, vocab):
     """Gumbel noise g(seed, pos, v) [n, vocab], float64, on pos's device: a function of the three
-    integers alone, whichever batch a row comes in. Any seed >= 0 folds to 32 bits."""
-    key = int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little")
+    integers alone, whichever batch a row comes in. Any seed >= 0 counts, 32 bits at a time."""
+    key = 0
+    while True:  # integer arithmetic only, which a compiled read folds to a constant
+        key, seed = mix32((key + (seed & M32) + 0x9E3779B9) & M32), seed >> 32
+        if not seed:
+            break
     row = mix32(pos ^ key)  # positions are far below 2^32
-    h = mix32((row[:, None] + token_keys(vocab, pos.device)) & M32)
+    h = mix32((row[:, None] + mix32(torch.arange(vocab, device=pos.device))) & M32)
     u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1): never 0 or 1, so both logs are finite
     return u.log_().neg_().log_().neg_()
 
@@ -77,6 +73,15 @@ def choose(logits, pos, sampling: Sampling):
         last = (above < sampling.top_p).sum(-1, keepdim=True) - 1
         z = z.masked_fill(probs < ranked.gather(-1, last), -math.inf)
     return (z + gumbel(sampling.seed, pos.to(z.device), z.shape[-1])).argmax(-1)
+
+
+def read_body(model, s, pos, depth, cache, sampling, rows=None):
+    """C and the tokens its logits choose, in one function, so that compiled decoding compiles them
+    into one graph: logits [n, V] of `rows` (default all), and int64 [2, n] holding the token each
+    chooses for the position after its row and 1 where all its logits are finite."""
+    logits = model.c_body(s, pos, depth, cache, rows)
+    nxt = (pos if rows is None else pos[rows]) + 1
+    return logits, torch.stack([choose(logits, nxt, sampling), logits.isfinite().all(-1).long()])
 
 
 @dataclass
@@ -146,12 +151,12 @@ class Decoder:
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
-    def lanes(self, rows, value, idle=-1):
-        """A host tensor [width]: value(row) in each row's lane, `idle` in the others."""
-        out = [idle] * self.width
+    def lanes(self, rows):
+        """Host tensors [width]: each row's position and depth in its lane, -1 and 0 in the idle lanes."""
+        pos, depth = [-1] * self.width, [0] * self.width
         for r in rows:
-            out[r.pos % self.width] = value(r)
-        return torch.tensor(out)
+            pos[r.pos % self.width], depth[r.pos % self.width] = r.pos, r.depth
+        return torch.tensor(pos), torch.tensor(depth)
 
     def start(self, pos, token):
         """P: a new row at depth 0. Every schedule starts one row per call, so P has one shape, one row."""
@@ -164,7 +169,7 @@ class Decoder:
     def advance(self, rows):
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
         keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        pos, depth = self.lanes(rows, lambda r: r.pos), self.lanes(rows, lambda r: r.depth, idle=0)
+        pos, depth = self.lanes(rows)
         self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
         for r in rows:
             r.depth += 1
@@ -175,19 +180,15 @@ class Decoder:
 
     def read(self, rows):
         """C: each row's logits and the token they choose, in one call and one read to the host."""
-        pos = self.lanes(rows, lambda r: r.pos)
         self.stats["c_calls"] += 1
-        return self.readouts(self.model.C(self.s, pos, self.cache, compiled=self.compiled),
-                             [r.pos % self.width for r in rows],
-                             [r.pos + 1 for r in rows])
+        pos, _ = self.lanes(rows)
+        call = self.model.compiled(read_body) if self.compiled else read_body
+        logits, chosen = call(self.model, self.s, *self.model.to_device(pos, None, self.cache), self.sampling)
+        return self.readouts(logits, chosen, [r.pos % self.width for r in rows])
 
-    def readouts(self, logits, lanes, pos):
-        """Readouts of logits[lanes], each choosing the token at pos (its row's next position): the
-        tokens of all rows come to the host in one transfer."""
-        picked = logits[lanes]
-        tokens, finite = torch.stack([choose(picked, torch.tensor(pos), self.sampling),
-                                      picked.isfinite().all(-1).long()]).tolist()
-        return [Readout(t, logits[i], bool(f)) for t, i, f in zip(tokens, lanes, finite)]
+    def readouts(self, logits, chosen, lanes):
+        tokens, finite = chosen.tolist()  # every lane's, in one transfer
+        return [Readout(tokens[i], logits[i], bool(finite[i])) for i in lanes]
 
     def draft(self, row, out: Readout):
         """The token read from `row` at the draft depth: a draft for the next position."""
@@ -227,7 +228,9 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        return self.commit(self.readouts(self.model.C(s, pos, self.cache, rows=[n - 1]), [0], [n])[0])
+        logits, chosen = read_body(self.model, s, *self.model.to_device(pos, None, self.cache), self.sampling,
+                                   rows=[n - 1])
+        return self.commit(self.readouts(logits, chosen, [0])[0])
 
 
 def autoregressive(dec: Decoder):
