@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import models
 import wfd
-from run import DEMO, DTYPES, Parser, add_sampling_args, check_at_least, default_eos, finite, one_line_errors
+from run import DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -250,26 +250,17 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; with --compile at least 2, "
                    "which it takes to compile)")
-    p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
-    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
-                   "else max(1, T // 8))")
-    p.add_argument("--draft-len", type=int, default=4, help="drafts per DtV round")
     p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
                    "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
                    "every call attends over all of them")
-    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
-                   "compiled by torch.compile (on CUDA as CUDA graphs); the warm-up, of at least 2 tokens per "
-                   "method, pays for compiling and its time is reported apart")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's; float32 for random weights")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
-                   "parameters, else torch's default)")
-    add_sampling_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0")
+    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0",
+                      dtype_help="default: the checkpoint's; float32 for random weights",
+                      compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
+                      "is reported apart")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default="bench_out", help="folder for the JSONL answers ('' for none)")
     return p.parse_args(argv)

@@ -219,10 +219,8 @@ class LoopedLM(nn.Module):
         return self.embed.weight.dtype
 
     # -- the three calls --------------------------------------------------------------------------
-    # pos: int64 positions of the rows, -1 for an idle lane (a CPU tensor: its max is read without a
-    # device sync); cache: a kv.KVCache, or None for a plain causal pass over positions 0..N-1.
-    # compiled: the call's device work (its body, below) runs compiled by torch.compile; what reads
-    # host data (to_device) stays eager.
+    # pos: int64 [N] on the host (its max is read without a device sync), -1 for an idle lane; cache:
+    # a kv.KVCache, or None for a causal pass over 0..N-1; compiled: the body below runs compiled.
 
     def P(self, ids, pos, cache=None, compiled=False):
         x = self.embed(ids.to(self.device)) * self.args.embed_scale  # [N, D]
@@ -276,10 +274,8 @@ class LoopedLM(nn.Module):
         return x
 
     def compiled(self, fn):
-        """fn (a body above, or another function of the model's device work) compiled by torch.compile,
-        once per model: every later generation reuses it. Each fixed shape (width, capacity) compiles
-        once, then hits its graph; on CUDA each call replays a CUDA graph (mode "reduce-overhead"); on
-        a CPU the graph's wrapper is C++ (cpp_wrapper), which takes less per call than a Python one."""
+        """fn, device work of this model, compiled once for every later generation (README, "Compiled
+        decoding"): on CUDA a CUDA graph per shape, on a CPU a C++ wrapper (quicker to enter)."""
         if fn not in self._compiled:
             cuda = self.device.type == "cuda"
             # one graph per (call, width, cache layout): widths and caches add up in one process
@@ -308,11 +304,12 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, ids, num_steps=None, state=None):
-        """Logits [T, V] (float32) after `num_steps` recurrences over the whole sequence, no cache.
-        Huginn starts from the model's initial state, or from `state` [T, D] when given."""
+        """Logits [N, V] (float32) after `num_steps` recurrences over the whole sequence, no cache.
+        Huginn starts from the model's initial state, or from `state` [N, D] when given."""
         ids = torch.as_tensor(ids).reshape(-1)
+        if len(ids) > self.args.max_seq_len:
+            raise ValueError(f"{len(ids)} positions exceed the model's context of {self.args.max_seq_len}")
         pos = torch.arange(len(ids))
-        self.check_positions(len(ids))
         e, s = self.P(ids, pos)
         if state is not None:
             if not self.args.inject:
@@ -324,10 +321,6 @@ class LoopedLM(nn.Module):
         for d in range(self.num_steps if num_steps is None else num_steps):
             s = self.R(s, e, pos, d)
         return self.C(s, pos)
-
-    def check_positions(self, n):
-        if n > self.args.max_seq_len:
-            raise ValueError(f"{n} positions exceed the model's context of {self.args.max_seq_len}")
 
 
 def set_threads(model, threads=None):
@@ -466,11 +459,11 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     for path in files:
         with _open(path) as f:
             key_file.update((k, path) for k in f.keys())
+    layout, unused = checkpoint_layout(a)
     if dtype is None:
-        embed_key = "model.embed_tokens.weight" if a.kind == "ouro" else "transformer.wte.weight"
+        embed_key = layout["embed.weight"][0][0]
         dtype = _read(key_file, embed_key).dtype if embed_key in key_file else torch.float32
     model = from_config(config, device, dtype, state_init, seed)
-    layout, unused = checkpoint_layout(a)
     expected = {k for parts in layout.values() for k, _ in parts} | unused | (
         {"freqs_cis"} if a.kind == "huginn" else set())
     missing = sorted(expected - unused - key_file.keys())

@@ -44,8 +44,19 @@ def check_at_least(args, **least):
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {value}")
 
 
-def add_sampling_args(p, seed_help):
-    """--temperature, --top-k, --top-p, --seed: run.py's and bench.py's alike."""
+def add_decoding_args(p, seed_help, dtype_help, compile_help):
+    """The flags run.py and bench.py share: depths, drafts, precision, threads, compiling, sampling."""
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
+    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
+                   "else max(1, T // 8))")
+    p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
+                   "whose matmuls are too small to share between cores; else torch's default)")
+    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
+                   "compiled by torch.compile (on CUDA as CUDA graphs); " + compile_help)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample "
                    "(every method gives AR's sampled tokens with the same seed)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
@@ -60,21 +71,11 @@ def parse_args(argv=None):
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--method", default="wfd", choices=["wfd", "ar", "dtv", "all"])
-    p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
-    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, else max(1, T // 8))")
-    p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
     p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, draft-len + 1 "
                    "for dtv); --method ar --width 1 is plain decoding")
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--kv", default="full", choices=["full", "shared"], help="KV cache: per depth, or shared across depths")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
-    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
-                   "whose matmuls are too small to share between cores; else torch's default)")
-    add_sampling_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state")
-    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
-                   "compiled by torch.compile (on CUDA as CUDA graphs), after a short run of each method that "
-                   "compiles them")
+    add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state",
+                      dtype_help="default: the checkpoint's", compile_help="a short run of each method compiles them")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "

@@ -109,10 +109,8 @@ STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cach
 
 
 def static_cache(model, capacity, num_steps, window):
-    """The KV cache of compiled decoding, one per model and setting, kept for the process and zeroed
-    for each generation: its buffers keep their addresses, which a CUDA graph replays on (so they are
-    marked static: their writes stay inside the graph), and a generation with the same settings finds
-    the graphs the last one compiled."""
+    """The KV cache of compiled decoding, one per model and setting, kept and zeroed for each
+    generation: a CUDA graph replays on its buffers' addresses (marked static: the graph writes them)."""
     key = (capacity, num_steps, window, model.device, model.dtype)
     caches = STATIC_CACHES.setdefault(model, {})
     if key not in caches:
@@ -125,28 +123,23 @@ def static_cache(model, capacity, num_steps, window):
 
 
 class Decoder:
-    """One generation in flight: the model, its cache, the committed tokens and the counters.
-    Every schedule is written in terms of start / advance / read / commit.
-
-    After the prefill every R and C call runs `width` lanes, whichever rows are in flight: a row at
-    position p lives in lane p % width, idle lanes are padded in (position -1) and their outputs
-    dropped; P starts one row per call. So a row's arithmetic never depends on the other rows of its
-    call, and a schedule computes the same bits as AR at the same width, in any dtype (README,
-    "Exact in every precision")."""
+    """One generation in flight: the model, its cache, the committed tokens and the counters; every
+    schedule is written in its verbs start / advance / read / commit. After the prefill every R and C
+    call runs `width` lanes (row p in lane p % width, idle lanes at position -1), so a schedule computes
+    AR's bits at the same width, in any dtype (README, "Exact in every precision")."""
 
     def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
                  eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
                  sampling=Sampling(), compile=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
-        self.compiled = compile
-        self.sampling = sampling
+        self.compiled, self.sampling = compile, sampling
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         capacity = capacity or self.last_pos + 1
         self.cache = (static_cache if compile else make_cache)(model, capacity, num_steps, window)
-        lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)
+        lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)  # [width, D]
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
