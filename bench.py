@@ -250,8 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
-    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; with --compile at least 2, "
-                   "which it takes to compile)")
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; "
+                   "with --compile at least 2, which it takes to compile)")
     p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
                    "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
                    "every call attends over all of them")

@@ -72,11 +72,13 @@ class KVCache:
         elif step.depth is None:
             slot = step.depth0 * self.n_core + layer
         else:  # rows at different depths (the wavefront): each row reads its own slot
-            slots = step.depth * self.n_core + layer
-            self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v
-            y = F.scaled_dot_product_attention(q[:, :, None], self.k.index_select(0, slots), self.v.index_select(0, slots),
+            slots = step.depth * self.n_core + layer                        # [N]
+            self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v    # k, v [N, Hkv, hd]
+            keys, values = self.k.index_select(0, slots), self.v.index_select(0, slots)  # [N, Hkv, columns, hd]
+            y = F.scaled_dot_product_attention(q[:, :, None], keys, values,  # one query per row: [N, H, 1, hd]
                                                attn_mask=step.visible[:, None, None], enable_gqa=True)
             return y[:, :, 0]
+        # every row at one slot: heads first, [H, N, hd] against the slot's [Hkv, columns, hd]
         self.k[slot][:, step.col], self.v[slot][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
         y = F.scaled_dot_product_attention(q.transpose(0, 1), self.k[slot], self.v[slot],
                                            attn_mask=step.visible, enable_gqa=True)

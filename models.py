@@ -261,7 +261,7 @@ class LoopedLM(nn.Module):
         if not self.args.norm_each_step:  # the final norm sits around the coda instead
             eps = self.args.norm_eps
             s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, depth, cache), self.norm, eps)
-        return self.lm_head(s if rows is None else s[rows]).float()
+        return self.lm_head(s if rows is None else s[rows]).float()  # [rows, V]
 
     def _layers(self, blocks, x, pos, depth, cache):
         # RoPE rows, KV columns and masks: built once per call, not once per layer

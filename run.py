@@ -125,12 +125,12 @@ def finite(stats):
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
 
 
-def stats_line(method, st):
-    acceptance = "-" if math.isnan(st["acceptance"]) else f"{st['acceptance']:.2f}"
-    kv = f" (shared, window {st['window']})" if st["kv"] == "shared" else ""
-    return (f"[{method}] {st['tokens']} tokens, {st['r_calls']} R calls ({st['r_calls_per_token']:.2f}/token), "
-            f"T={st['num_steps']} k={st['draft_steps']} width {st['width']}, acceptance {acceptance}, "
-            f"{st['tokens_per_s']:.1f} tok/s, KV {st['kv_bytes'] / 2**20:.1f} MiB{kv}")
+def stats_line(method, stats):
+    acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
+    kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
+    return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
+            f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
+            f"{stats['tokens_per_s']:.1f} tok/s, KV {stats['kv_bytes'] / 2**20:.1f} MiB{kv}")
 
 
 def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
@@ -209,19 +209,19 @@ def main(argv=None):
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
                            on_token=text.add if text else None, trace=trace, keep_logits=len(runs) > 1, **settings)
         results[name] = out
-        st = out.stats
+        stats = out.stats
         if args.json:
             print(json.dumps(dict(method=name, tokens=out.tokens, text=tok.decode(out.tokens) if tok else None,
-                                  stats=finite(st)), allow_nan=False))
+                                  stats=finite(stats)), allow_nan=False))
             continue
         if text:
             text.show()
         else:
             print(f"[{method}] {tok.decode(out.tokens) if tok else out.tokens}")
-        print(stats_line(name, st))
+        print(stats_line(name, stats))
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str
-            print(draw_wavefront(trace, out.tokens, len(prompt), st["num_steps"], st["draft_steps"], label))
+            print(draw_wavefront(trace, out.tokens, len(prompt), stats["num_steps"], stats["draft_steps"], label))
     if len(runs) > 1 and not args.json:
         same = lambda a, b: a.tokens == b.tokens and torch.equal(torch.stack(a.logits), torch.stack(b.logits))
         exact = all(same(results[a], results[b]) for a, b in (("wfd", "ar"), ("dtv", "ar-dtv")) if a in results)

@@ -71,7 +71,9 @@ def test_noise_uniforms_are_uniform_and_independent():
     others = [u[:, 1:], u[1:, :]] + [torch.exp(-torch.exp(-wfd.gumbel(s, pos, 2048))) for s in (1, 2**40)]
     for other in others:  # neighbouring tokens, neighbouring positions, other seeds (a large one too)
         assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
-    assert not torch.equal(wfd.gumbel(0, pos, 2048), wfd.gumbel(2**32, pos, 2048))  # large seeds do not wrap
+    keys = [0, 1, 2**32, 2**32 + 1, 2**64, 2**40]  # large seeds do not wrap onto small ones
+    draws = [wfd.gumbel(s, pos, 2048) for s in keys]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
 
 
 # -- the distribution -----------------------------------------------------------------------------
