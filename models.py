@@ -178,9 +178,18 @@ class Block(nn.Module):
         return x + rms_norm(h, norm, self.args.norm_eps)
 
 
+def compile_call(fn, graphs):
+    """fn compiled by torch.compile at fixed shapes; with graphs, each call replays a CUDA graph."""
+    # one graph per (call, width, cache layout): widths and caches add up in one process
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if graphs:
+        return partial(replay, torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead"))
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
 def replay(graphed, *args):
-    """A call of a CUDA-graphed function: its output lives in memory that the next replay
-    overwrites, so the caller gets a copy."""
+    """A call of a CUDA-graphed function: its outputs live in memory that the next replay
+    overwrites, so the caller gets copies."""
     torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
     out = graphed(*args)
     return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
@@ -277,12 +286,7 @@ class LoopedLM(nn.Module):
         """fn, device work of this model, compiled once for every later generation (README, "Compiled
         decoding"): on CUDA a CUDA graph per shape, on a CPU a C++ wrapper (quicker to enter)."""
         if fn not in self._compiled:
-            cuda = self.device.type == "cuda"
-            # one graph per (call, width, cache layout): widths and caches add up in one process
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            graphed = torch.compile(fn, fullgraph=True, dynamic=False,
-                                    **(dict(mode="reduce-overhead") if cuda else dict(options={"cpp_wrapper": True})))
-            self._compiled[fn] = partial(replay, graphed) if cuda else graphed
+            self._compiled[fn] = compile_call(fn, graphs=self.device.type == "cuda")
         return self._compiled[fn]
 
     def initial_state(self, pos):

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import models
 import wfd
 from test_wfd import same_logits, tiny_model
 
@@ -35,3 +36,28 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
         eager = wfd.generate(model, prompt, n_new, method="ar", width=width, keep_logits=True)
         assert eager.tokens == greedy.tokens
         assert torch.allclose(torch.stack(eager.logits), torch.stack(greedy.logits), atol=1e-4)
+
+
+def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
+    """The CUDA path's Python side (mode "reduce-overhead", replay copying every output, the read's
+    tuple too) in a whole generation. On a CPU inductor skips the graphs themselves, so what a GPU
+    adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
+    replays, replay = [], models.replay
+    monkeypatch.setattr(models, "replay", lambda *args: replays.append(1) or replay(*args))
+    model = tiny_model("ouro", 0, torch.float32)  # no prelude: P stays eager, R and the read are graphed
+    model._compiled = {fn: models.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
+    T, prompt, n_new = model.num_steps, [3, 1, 4], 12
+
+    def run(method, k, compile):
+        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, width=T, capacity=15,
+                            keep_logits=True, compile=compile, temperature=0.8, seed=2)
+
+    ar = run("ar", T, True)
+    del replays[:]
+    out = run("wfd", 1, True)
+    assert same_logits(out, ar)
+    # every R and C call after the prefill went through replay
+    assert len(replays) == out.stats["r_calls"] - T + out.stats["c_calls"] - 1
+    eager = run("ar", T, False)
+    assert eager.tokens == ar.tokens
+    assert torch.allclose(torch.stack(eager.logits), torch.stack(ar.logits), atol=1e-4)
