@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 import models
 import wfd
-from run import DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors
+from run import (DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors,
+                 token_match)
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -327,7 +328,7 @@ def run_all(model, prompts, names, args, log):
             r = run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"])
             plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
             r.update(identical=ref is None or r["tokens"] == ref["tokens"] and torch.equal(r["logits"], ref["logits"]),
-                     ar_match=sum(a == b for a, b in zip(r["tokens"], plain)) / max(len(r["tokens"]), len(plain)),
+                     ar_match=token_match(r["tokens"], plain),
                      prompt=prompt)
             results[name].append(r)
             st = r["stats"]

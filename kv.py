@@ -19,14 +19,10 @@ import torch.nn.functional as F
 @dataclass
 class Step:
     """What one P / R / C call needs at every layer, built once per call by KVCache.prepare."""
-    cache: "KVCache"
     col: torch.Tensor            # [N] column each row writes: its position, or scratch for idle lanes
     visible: torch.Tensor        # [N, columns] keys each row may read
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth (prefill)
     depth0: int = 0              # that one depth
-
-    def attend(self, layer, q, k, v):
-        return self.cache.attend(self, layer, q, k, v)
 
 
 class KVCache:
@@ -61,8 +57,8 @@ class KVCache:
         keys = torch.arange(self.capacity + 1, device=col.device)
         visible = keys[None] <= col[:, None]  # idle lanes see everything: finite, and dropped
         if torch.is_tensor(depth):
-            return Step(self, col, visible, depth=depth)
-        return Step(self, col, visible, depth0=depth)
+            return Step(col, visible, depth=depth)
+        return Step(col, visible, depth0=depth)
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values, then attend each row (q [N, H, hd]) to the visible

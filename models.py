@@ -278,7 +278,7 @@ class LoopedLM(nn.Module):
         cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
         step = None if cache is None else cache.prepare(pos, depth)
         for blk in blocks:
-            attend = causal_attention if step is None else partial(step.attend, blk.layer_id)
+            attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             x = blk(x, cos, sin, attend)
         return x
 

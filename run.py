@@ -125,6 +125,11 @@ def finite(stats):
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
 
 
+def token_match(tokens, reference):
+    """The share of positions where tokens equal the reference's, over the longer of the two."""
+    return sum(a == b for a, b in zip(tokens, reference)) / max(len(tokens), len(reference))
+
+
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
@@ -228,7 +233,7 @@ def main(argv=None):
         print("outputs identical to AR at the same width (tokens and logits): " + ("yes" if exact else "NO"))
         plain = results["ar1"]
         for method, r in results.items():
-            match = sum(a == b for a, b in zip(r.tokens, plain.tokens)) / max(len(r.tokens), len(plain.tokens))
+            match = token_match(r.tokens, plain.tokens)
             print(f"  {method:>6}: width {r.stats['width']}, {r.stats['tokens_per_s'] / plain.stats['tokens_per_s']:.2f}x "
                   f"plain AR, {r.stats['r_calls_per_token']:.2f} R calls/token, {100 * match:.0f}% of plain AR's tokens")
 

@@ -133,6 +133,7 @@ class Decoder:
                  sampling=Sampling(), compile=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
         self.compiled, self.sampling = compile, sampling
+        self.read_call = model.compiled(read_body) if compile else read_body  # C and the choice of tokens
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
@@ -145,11 +146,11 @@ class Decoder:
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
 
     def lanes(self, rows):
-        """Host tensors [width]: each row's position and depth in its lane, -1 and 0 in the idle lanes."""
+        """Lists [width]: each row's position and depth in its lane, -1 and 0 in the idle lanes."""
         pos, depth = [-1] * self.width, [0] * self.width
         for r in rows:
             pos[r.pos % self.width], depth[r.pos % self.width] = r.pos, r.depth
-        return torch.tensor(pos), torch.tensor(depth)
+        return pos, depth
 
     def start(self, pos, token):
         """P: a new row at depth 0. Every schedule starts one row per call, so P has one shape, one row."""
@@ -162,7 +163,7 @@ class Decoder:
     def advance(self, rows):
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
         keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        pos, depth = self.lanes(rows)
+        pos, depth = map(torch.tensor, self.lanes(rows))
         self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
         for r in rows:
             r.depth += 1
@@ -174,9 +175,9 @@ class Decoder:
     def read(self, rows):
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         self.stats["c_calls"] += 1
-        pos, _ = self.lanes(rows)
-        call = self.model.compiled(read_body) if self.compiled else read_body
-        logits, chosen = call(self.model, self.s, *self.model.to_device(pos, None, self.cache), self.sampling)
+        pos = torch.tensor(self.lanes(rows)[0])
+        logits, chosen = self.read_call(self.model, self.s, *self.model.to_device(pos, None, self.cache),
+                                        self.sampling)
         return self.readouts(logits, chosen, [r.pos % self.width for r in rows])
 
     def readouts(self, logits, chosen, lanes):
