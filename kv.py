@@ -70,15 +70,30 @@ class KVCache:
         else:  # rows at different depths (the wavefront): each row reads its own slot
             slots = step.depth * self.n_core + layer                        # [N]
             self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v    # k, v [N, Hkv, hd]
-            keys, values = self.k.index_select(0, slots), self.v.index_select(0, slots)  # [N, Hkv, columns, hd]
-            y = F.scaled_dot_product_attention(q[:, :, None], keys, values,  # one query per row: [N, H, 1, hd]
-                                               attn_mask=step.visible[:, None, None], enable_gqa=True)
-            return y[:, :, 0]
+            return attend_slots(q, self.k, self.v, slots, step.visible)
         # every row at one slot: heads first, [H, N, hd] against the slot's [Hkv, columns, hd]
         self.k[slot][:, step.col], self.v[slot][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
         y = F.scaled_dot_product_attention(q.transpose(0, 1), self.k[slot], self.v[slot],
                                            attn_mask=step.visible, enable_gqa=True)
         return y.transpose(0, 1)
+
+
+def attend_slots(q, k, v, slots, visible):
+    """Each row's one query (q [N, H, hd]) against the visible keys (visible [N, columns]) of its own
+    slot (slots [N], into k, v [slots, Hkv, columns, hd]). Eager: SDPA over a copy of the rows' slots
+    gathered into one batch. Compiled: the sums written out, which inductor fuses into one loop that
+    reads each row's slot where it lies; there the copy would cost more than the attention (README,
+    "Compiled decoding"), while eager the sums would build the products [N, H, columns, hd] in memory."""
+    if not torch.compiler.is_compiling():
+        y = F.scaled_dot_product_attention(q[:, :, None], k.index_select(0, slots), v.index_select(0, slots),
+                                           attn_mask=visible[:, None, None], enable_gqa=True)  # [N, H, 1, hd]
+        return y[:, :, 0]
+    n, heads, hd = q.shape
+    qg = q.float().view(n, k.shape[1], -1, hd) * hd ** -0.5                # [N, Hkv, group, hd]
+    scores = (qg[:, :, :, None] * k[slots][:, :, None].float()).sum(-1)   # [N, Hkv, group, columns]
+    weights = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    y = (weights[..., None] * v[slots][:, :, None].float()).sum(-2)       # [N, Hkv, group, hd]
+    return y.to(q.dtype).view(n, heads, hd)
 
 
 def make_cache(model, capacity, num_steps, window=None):

@@ -143,7 +143,8 @@ class Decoder:
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)  # [width, D]
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
-        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0)
+        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
+                          r_seconds=0.0)  # host time in the R calls after the prefill (bench.py, on a CPU)
 
     def lanes(self, rows):
         """Lists [width]: each row's position and depth in its lane, -1 and 0 in the idle lanes."""
@@ -164,7 +165,9 @@ class Decoder:
         """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
         keep their state (draft-then-verify's rows waiting for the verify pass)."""
         pos, depth = map(torch.tensor, self.lanes(rows))
+        t0 = time.perf_counter()
         self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
+        self.stats["r_seconds"] += time.perf_counter() - t0
         for r in rows:
             r.depth += 1
         if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
