@@ -387,9 +387,10 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     if model.device.type == "cpu":  # on a GPU a call returns before its work is done
         sums = {n: [sum(r["stats"][key] for r in results[n]) for key in ("r_seconds", "r_calls", "wall_s")]
                 for n in names}
+        each = lambda r_s, calls: f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill
         print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P and the schedule): "
-              + "; ".join(f"{METHODS[n][3]} {1000 * r_s / (calls - T * len(results[n])):.2f} ms each, "
-                          f"{100 * r_s / wall:.0f}% of the time" for n, (r_s, calls, wall) in sums.items()))
+              + "; ".join(f"{METHODS[n][3]} {each(r_s, calls - T * len(results[n]))}, {100 * r_s / wall:.0f}% of "
+                          "the time" for n, (r_s, calls, wall) in sums.items()))
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
         ideal = lambda A: T / (A * k + (1 - A) * T)

@@ -110,6 +110,10 @@ def test_emulated_acceptance_extremes(capsys):
             assert figs[name]["acceptance"] == float(a) and figs[name]["identical"] == 1
         if a == "1.0":  # every draft right: fewer sequential R calls than AR
             assert figs["wfd"]["r_per_token"] < figs["ar"]["r_per_token"]
+    # one new token is the prefill's: no draft, no R call after it, and the summary still prints
+    out, text = run_bench(capsys, ["--random-weights", config, "--methods", "wfd", "--num-prompts", "1",
+                                   "--prompt-len", "4", "--max-new-tokens", "1", "--warmup", "0", "--out", ""])
+    assert "WFD none, 0% of the time" in text and "Ideal WFD speedup" not in text
 
 
 def test_compiled(capsys):
