@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 import models
 import wfd
-from test_wfd import same_logits, tiny_model
+from test_wfd import DEVICE, same_logits, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -44,7 +44,9 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
     replays, replay = [], models.replay
     monkeypatch.setattr(models, "replay", lambda *args: replays.append(1) or replay(*args))
-    model = tiny_model("ouro", 0, torch.float32)  # no prelude: P stays eager, R and the read are graphed
+    # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups (kv.attend_slots' groups)
+    model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE, init_seed=7)
+    assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
     model._compiled = {fn: models.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
