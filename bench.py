@@ -385,12 +385,13 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
           + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
     if model.device.type == "cpu":  # on a GPU a call returns before its work is done
-        sums = {n: [sum(r["stats"][key] for r in results[n]) for key in ("r_seconds", "r_calls", "wall_s")]
-                for n in names}
-        each = lambda r_s, calls: f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill
+        def r_time(recs):  # the R calls after the prefill, whose T calls r_calls counts too
+            r_s = sum(r["stats"]["r_seconds"] for r in recs)
+            calls = sum(r["stats"]["r_calls"] - r["stats"]["num_steps"] for r in recs)
+            each = f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill's alone
+            return f"{each}, {100 * r_s / sum(r['stats']['wall_s'] for r in recs):.0f}% of the time"
         print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P and the schedule): "
-              + "; ".join(f"{METHODS[n][3]} {each(r_s, calls - T * len(results[n]))}, {100 * r_s / wall:.0f}% of "
-                          "the time" for n, (r_s, calls, wall) in sums.items()))
+              + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
         ideal = lambda A: T / (A * k + (1 - A) * T)
