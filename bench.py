@@ -254,8 +254,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; "
                    "with --compile at least 2, which it takes to compile)")
     p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
-                   "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
-                   "every call attends over all of them")
+                   "--compile the most any prompt needs rounded up to a power of two, so that every prompt runs "
+                   "the same compiled graphs); attention reads only the key blocks written")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
     add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0",
@@ -436,8 +436,8 @@ def main(argv=None):
     names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
     prompts, source = load_prompts(model, args, log)
-    if args.compile and args.capacity is None:  # one KV shape, so one compiled graph, for every prompt
-        args.capacity = max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1
+    if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
+        args.capacity = wfd.compiled_capacity(model, max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1)
     results, compile_s = run_all(model, prompts, names, args, log)
     figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
     if args.out:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks (README, "Compiled decoding"), one command, about 5 minutes on an H200:
-#   ./gpu_check.sh          the decoding tests on cuda, then bench.py --compile on the real huginn-0125 and
-#                           Ouro-2.6B configs (random weights, bfloat16, emulated acceptance 0.94 / 0.92,
+#   ./gpu_check.sh          the decoding tests on cuda (among them: eager decoding on SDPA's flash and
+#                           memory-efficient kernels alone; no CUDA graph skipped by inductor; static KV
+#                           buffers at the same addresses across generations), then bench.py --compile
+#                           on the real huginn-0125 and Ouro-2.6B configs (random weights, bfloat16, emulated acceptance 0.94 / 0.92,
 #                           256 new tokens): per config, the table, and AR's tok/s against the bandwidth bound
 #   ./gpu_check.sh --smoke  the same bench.py commands on the CPU on the tiny golden configs, not compiled
 #                           (compiling takes a minute on a small CPU), in seconds: test_bench.py runs it

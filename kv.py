@@ -1,27 +1,31 @@
-"""The KV cache of a looped LM: static buffers written by absolute position.
+"""The KV cache of a looped LM: static buffers written by absolute position, read by blocks.
 
 A looped layer applied at depth d has its own slot, because a row at depth d attends to the depth-d
 keys of earlier positions. Huginn's prelude and coda layers have one slot each. Rolling back a
 rejected draft needs no copy: the rows are forgotten, their entries lie past every reader's
 position until a new row at that position overwrites them, and reads never look past the reader.
 
-Every read covers the buffer's whole length, with a mask, so that a row's attention has the same
-shape whichever rows share its call (README, "Exact in every precision"). Each buffer has one
-column past the capacity, the scratch column: idle lanes of a call (position -1) write there and
-nobody else can see it.
+A call reads its keys in blocks of BLOCK columns, each computed with the same shapes whatever the
+call, and only the blocks that some row of the call can see (`span`, from the host's positions), so
+attention costs what the rows read, not the capacity. A row's result depends on its own keys only
+(README, "Exact in every precision"): see `attend_blocks`. Each buffer has one column past its
+blocks, the scratch column: idle lanes of a call (position -1) write there and no block holds it.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+BLOCK = 256  # keys per attention block: a GPU's split-KV tile, and enough for a short CPU generation
+
 
 @dataclass
 class Step:
     """What one P / R / C call needs at every layer, built once per call by KVCache.prepare."""
     col: torch.Tensor            # [N] column each row writes: its position, or scratch for idle lanes
-    visible: torch.Tensor        # [N, columns] keys each row may read
-    depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth (prefill)
+    visible: torch.Tensor        # [N, span * BLOCK] keys each row may read (idle lanes: key 0 only)
+    span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
+    depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
 
 
@@ -29,11 +33,11 @@ class KVCache:
     def __init__(self, model, capacity, num_steps=None, per_depth=True):
         a = model.args
         self.n_core, self.num_steps, self.capacity = a.n_core, num_steps or model.num_steps, capacity
-        self.scratch = capacity
+        self.block = BLOCK
+        self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
-        n_slots = self.depth_slots + a.n_prelude + a.n_coda
-        shape = (n_slots, a.n_kv_heads, capacity + 1, a.head_dim)
+        shape = (self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, self.scratch + 1, a.head_dim)
         self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
@@ -44,56 +48,106 @@ class KVCache:
     def nbytes(self):
         return sum(t.nbytes for t in self.buffers())
 
-    def check(self, pos):
-        """Before a call, on the host (pos: int64 [N], -1 for idle lanes): no device sync."""
+    def span(self, pos, bucket=False):
+        """On the host, before a call (pos: int64 [N], -1 for idle lanes; no device sync): the key
+        blocks its rows can see, or 0 for the prefill (the only call holding position 0). bucket: rounded
+        up to a power of two, so that compiled decoding makes one graph per power, not per block."""
         top = int(pos.max())
         if top >= self.capacity:
             raise IndexError(f"position {top} is past the KV cache's capacity of {self.capacity} positions")
+        if int(pos[0]) == 0:
+            return 0
+        n = top // self.block + 1
+        return min(1 << (n - 1).bit_length(), self.scratch // self.block) if bucket else n
 
-    def prepare(self, pos, depth):
+    def prepare(self, pos, depth, span):
         """Once per call, on the device: device work only, so that a compiled call takes it in.
         pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row)."""
         col = torch.where(pos < 0, self.scratch, pos)
-        keys = torch.arange(self.capacity + 1, device=col.device)
-        visible = keys[None] <= col[:, None]  # idle lanes see everything: finite, and dropped
+        visible = torch.arange(span * self.block, device=pos.device)[None] <= pos.clamp(min=0)[:, None]
         if torch.is_tensor(depth):
-            return Step(col, visible, depth=depth)
-        return Step(col, visible, depth0=depth)
+            return Step(col, visible, span, depth=depth)
+        return Step(col, visible, span, depth0=depth)
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values, then attend each row (q [N, H, hd]) to the visible
         keys of its slot."""
         if layer >= self.n_core:  # prelude and coda: one slot for every row
-            slot = self.depth_slots + layer - self.n_core
+            slots = self.depth_slots + layer - self.n_core
         elif step.depth is None:
-            slot = step.depth0 * self.n_core + layer
+            slots = step.depth0 * self.n_core + layer
         else:  # rows at different depths (the wavefront): each row reads its own slot
-            slots = step.depth * self.n_core + layer                        # [N]
-            self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v    # k, v [N, Hkv, hd]
-            return attend_slots(q, self.k, self.v, slots, step.visible)
-        # every row at one slot: heads first, [H, N, hd] against the slot's [Hkv, columns, hd]
-        self.k[slot][:, step.col], self.v[slot][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
-        y = F.scaled_dot_product_attention(q.transpose(0, 1), self.k[slot], self.v[slot],
-                                           attn_mask=step.visible, enable_gqa=True)
-        return y.transpose(0, 1)
+            slots = step.depth * self.n_core + layer  # [N]
+        if torch.is_tensor(slots):
+            self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v  # k, v [N, Hkv, hd]
+            keys = lambda lo, hi: (self.k[:, :, lo:hi].index_select(0, slots), self.v[:, :, lo:hi].index_select(0, slots))
+        else:
+            self.k[slots][:, step.col], self.v[slots][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
+            keys = lambda lo, hi: (self.k[slots, None, :, lo:hi], self.v[slots, None, :, lo:hi])
+        if step.span == 0:
+            return causal_attention(q, k, v)
+        return attend_blocks(q, [(*keys(b * self.block, (b + 1) * self.block),
+                                  step.visible[:, b * self.block:(b + 1) * self.block]) for b in range(step.span)])
 
 
-def attend_slots(q, k, v, slots, visible):
-    """Each row's one query (q [N, H, hd]) against the visible keys (visible [N, columns]) of its own
-    slot (slots [N], into k, v [slots, Hkv, columns, hd]). Eager: SDPA over a copy of the rows' slots
-    gathered into one batch. Compiled: the sums written out, which inductor fuses into one loop that
-    reads each row's slot where it lies; there the copy would cost more than the attention (README,
-    "Compiled decoding"), while eager the sums would build the products [N, H, columns, hd] in memory."""
-    if not torch.compiler.is_compiling():
-        y = F.scaled_dot_product_attention(q[:, :, None], k.index_select(0, slots), v.index_select(0, slots),
-                                           attn_mask=visible[:, None, None], enable_gqa=True)  # [N, H, 1, hd]
-        return y[:, :, 0]
+def causal_attention(q, k, v):
+    """Attention of positions 0..N-1 among themselves (q, k, v [..., N, heads, hd]): the prefill,
+    and the full forward without a cache. 4-D, so that SDPA's fused kernels take it."""
+    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]).transpose(1, 2) for t in (q, k, v))  # [batch, heads, N, hd]
+    y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    return y.transpose(1, 2).reshape(q.shape)
+
+
+def wide(dtype):
+    """The precision of attention's sums: float32, or the input's when wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def block_attention(q, k, v, visible, need_lse):
+    """q [N, H, hd] against one block: k, v [N, Hkv, B, hd] (each row its own keys) or [1, Hkv, B, hd]
+    (keys all rows share), visible [N, B]. Returns the output [N, H, hd], normalized within the block,
+    and with need_lse its log-sum-exp [N, H] in at least float32 (-inf where the row sees nothing)."""
     n, heads, hd = q.shape
-    qg = q.float().view(n, k.shape[1], -1, hd) * hd ** -0.5                # [N, Hkv, group, hd]
-    scores = (qg[:, :, :, None] * k[slots][:, :, None].float()).sum(-1)   # [N, Hkv, group, columns]
-    weights = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-    y = (weights[..., None] * v[slots][:, :, None].float()).sum(-2)       # [N, Hkv, group, hd]
-    return y.to(q.dtype).view(n, heads, hd)
+    shared, acc = k.shape[0] == 1 and n > 1, wide(q.dtype)
+    # compiled, each row's own keys: the sums written out, which inductor fuses into one loop that
+    # reads each row's slot where it lies; eager, SDPA over the gathered block costs less (README,
+    # "Compiled decoding")
+    sums = torch.compiler.is_compiling() and not shared
+    lse = None
+    if need_lse or sums:
+        qg = q.to(acc).view(n, k.shape[1], -1, hd) * hd ** -0.5  # [N, Hkv, group, hd]
+        scores = torch.einsum("nkgd,kbd->nkgb" if shared else "nkgd,nkbd->nkgb", qg, (k[0] if shared else k).to(acc))
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))  # [N, Hkv, group, B]
+        lse = scores.logsumexp(-1, keepdim=True)
+    if sums:
+        y = ((scores - lse).exp()[..., None] * v[:, :, None].to(acc)).sum(-2).to(q.dtype).view(n, heads, hd)
+    elif shared:
+        y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=visible[None, None],
+                                           enable_gqa=True)[0].transpose(0, 1)  # [1, H, N, hd] -> [N, H, hd]
+    else:
+        y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None],
+                                           enable_gqa=True)[:, :, 0]             # [N, H, 1, hd] -> [N, H, hd]
+    return y, (lse.view(n, heads) if need_lse else None)
+
+
+def attend_blocks(q, blocks):
+    """q [N, H, hd] against a list of blocks (k, v, visible: see block_attention), merged by their
+    log-sum-exps in a fixed order. Why a row's result does not depend on the other rows of its call:
+    every block has the same shapes in every call, and a block the row cannot see has lse -inf, so
+    its weight exp(lse - total) is exactly 0 (its output, NaN for an empty softmax, is dropped), and
+    logaddexp(total, -inf) is exactly total: the row gets the bits of a call of its own blocks only.
+    One block needs no merge: its weight would be exp(0) = 1."""
+    if len(blocks) == 1:
+        return block_attention(q, *blocks[0], need_lse=False)[0]
+    outs = [block_attention(q, k, v, visible, need_lse=True) for k, v, visible in blocks]
+    total = outs[0][1]
+    for _, lse in outs[1:]:
+        total = torch.logaddexp(total, lse)
+    y = 0
+    for o, lse in outs:
+        w = (lse - total).exp()[..., None]  # [N, H, 1]
+        y = y + torch.where(w > 0, o.to(w.dtype), 0) * w
+    return y.to(q.dtype)
 
 
 def make_cache(model, capacity, num_steps, window=None):
@@ -113,7 +167,7 @@ class SharedKVCache(KVCache):
         a = model.args
         self.window = window
         self.ring = min(max(window, 2 * window - 2), capacity)
-        final = (a.n_core, a.n_kv_heads, capacity + 1, a.head_dim)
+        final = (a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
         ring = (self.num_steps, a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
         self.final_k = torch.zeros(final, device=model.device, dtype=model.dtype)
         self.final_v = torch.zeros_like(self.final_k)
@@ -132,28 +186,19 @@ class SharedKVCache(KVCache):
             ring_v[d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
             if d == self.num_steps - 1:
                 self.final_k[layer][:, step.col], self.final_v[layer][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
-            y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, enable_gqa=True)
-            return y.transpose(0, 1)
+            return causal_attention(q, k, v)
         col, d, idle = step.col, step.depth, step.col == self.scratch
         # every row writes its ring entry and, at the last depth, its final entry; the rest go to scratch
         ring_col = torch.where(idle, self.ring, col % self.ring)
         ring_k[d, :, ring_col], ring_v[d, :, ring_col] = k, v
         final_col = torch.where(d == self.num_steps - 1, col, self.scratch)
         self.final_k[layer][:, final_col], self.final_v[layer][:, final_col] = k.transpose(0, 1), v.transpose(0, 1)
-        # keys: the whole final-depth buffer, shared by all rows and read once, visible up to
-        # p - window; then each row's own window (p - window, p] at its depth, from the ring
-        n, heads, hd = q.shape
-        qg = q.view(n, k.shape[1], heads // k.shape[1], hd) * hd ** -0.5  # [N, Hkv, group, hd]
-        fk, fv = self.final_k[layer], self.final_v[layer]                 # [Hkv, capacity + 1, hd]
+        # first each row's own window (p - window, p] at its depth, from the ring (never empty: it holds
+        # p), then the final-depth blocks, shared by all rows, visible up to p - window
         wpos = col[:, None] + torch.arange(1 - self.window, 1, device=q.device)  # [N, window]
-        wk = ring_k[d[:, None], :, wpos % self.ring].transpose(1, 2)       # [N, Hkv, window, hd]
-        wv = ring_v[d[:, None], :, wpos % self.ring].transpose(1, 2)
-        scores = torch.cat([torch.einsum("nkgd,ksd->nkgs", qg, fk), torch.einsum("nkgd,nkwd->nkgw", qg, wk)], -1)
-        keys = torch.arange(self.capacity + 1, device=q.device)
-        visible = torch.cat([keys[None] <= col[:, None] - self.window, wpos >= 0], -1)  # [N, keys]
-        scores = scores.float() if scores.element_size() < 4 else scores
-        weights = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1).to(q.dtype)
-        y = (torch.einsum("nkgs,ksd->nkgd", weights[..., :fk.shape[1]], fv)
-             + torch.einsum("nkgw,nkwd->nkgd", weights[..., fk.shape[1]:], wv))
-        return y.reshape(n, heads, hd)
+        window = (ring_k[d[:, None], :, wpos % self.ring].transpose(1, 2),       # [N, Hkv, window, hd]
+                  ring_v[d[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
+        visible = torch.arange(step.span * self.block, device=q.device)[None] <= col[:, None] - self.window
+        blocks = [(self.final_k[layer, None, :, lo:lo + self.block], self.final_v[layer, None, :, lo:lo + self.block],
+                   visible[:, lo:lo + self.block]) for lo in range(0, step.span * self.block, self.block)]
+        return attend_blocks(q, [window] + blocks)

@@ -31,6 +31,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kv import causal_attention
+
 SUPPORTED = {"ouro": "Ouro (ByteDance/Ouro-1.4B, Ouro-2.6B)", "huginn_raven": "Huginn (tomg-group-umd/huginn-0125)"}
 UNSUPPORTED = {
     "ouro": {"rope_scaling": lambda v: v is None, "use_sliding_window": lambda v: not v,
@@ -137,14 +139,6 @@ def apply_rope(x, cos, sin, interleaved):
     return out.to(x.dtype)
 
 
-def causal_attention(q, k, v):
-    """Attention within one call over positions 0..N-1, no cache (full forward; training, where
-    q, k, v may carry a leading batch dimension: [..., N, heads, hd])."""
-    y = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
-                                       is_causal=True, enable_gqa=True)
-    return y.transpose(-3, -2)
-
-
 class Block(nn.Module):
     """One transformer layer with four RMSNorms: on the attention's input and output, on the MLP's
     input and output (the output ones before or after the residual add: ModelArgs.post_norm)."""
@@ -180,11 +174,18 @@ class Block(nn.Module):
 
 def compile_call(fn, graphs):
     """fn compiled by torch.compile at fixed shapes; with graphs, each call replays a CUDA graph."""
-    # one graph per (call, width, cache layout): widths and caches add up in one process
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if graphs:
         return partial(replay, torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead"))
     return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+def make_room(fn, graphs):
+    """Under fullgraph, a compile past dynamo's recompile limit raises: raise the limit, before a
+    generation, above the graphs fn has plus those the generation may add. Their number is bounded
+    by the calls' shapes (widths, caches, kv.KVCache.span's powers of two, the sampler's filters)."""
+    config, n = torch._dynamo.config, len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn))
+    config.recompile_limit = max(config.recompile_limit, n + graphs)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, n + graphs)
 
 
 def replay(graphed, *args):
@@ -236,13 +237,13 @@ class LoopedLM(nn.Module):
         if not self.args.inject:
             return None, x
         body = self.compiled(self.p_body) if compiled else self.p_body
-        return body(x, *self.to_device(pos, None, cache)), self.initial_state(pos)
+        return body(x, *self.to_device(pos, None, cache, compiled)), self.initial_state(pos)
 
     def R(self, s, e, pos, depth, cache=None, compiled=False):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row."""
         body = self.compiled(self.r_body) if compiled else self.r_body
-        return body(s, e, *self.to_device(pos, depth, cache))
+        return body(s, e, *self.to_device(pos, depth, cache, compiled))
 
     def C(self, s, pos, cache=None, rows=None):
         """Logits (float32) for `rows` of the batch (default all). Huginn's coda runs on every row,
@@ -250,43 +251,46 @@ class LoopedLM(nn.Module):
         with the choice of tokens: wfd.read_body.)"""
         return self.c_body(s, *self.to_device(pos, None, cache), rows)
 
-    def to_device(self, pos, depth, cache):
-        """A call's host inputs, checked against the cache and moved to the device."""
-        if cache is not None:
-            cache.check(pos)
+    def to_device(self, pos, depth, cache, compiled=False):
+        """A call's host inputs, checked against the cache and moved to the device, and the key
+        blocks its attention reads (kv.KVCache.span; bucketed when compiled, for a bounded graph count)."""
+        span = None if cache is None else cache.span(pos, bucket=compiled)
         move = lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t
-        return move(pos), move(depth), cache
+        return move(pos), move(depth), cache, span
 
-    def p_body(self, x, pos, depth, cache):
-        return self._layers(self.prelude, x, pos, depth, cache)
+    def p_body(self, x, pos, depth, cache, span):
+        return self._layers(self.prelude, x, pos, depth, cache, span)
 
-    def r_body(self, s, e, pos, depth, cache):
+    def r_body(self, s, e, pos, depth, cache, span):
         x = self.adapter(torch.cat([s, e], dim=-1)) if self.args.inject else s  # [N, 2D] -> [N, D]
-        x = self._layers(self.core, x, pos, depth, cache)
+        x = self._layers(self.core, x, pos, depth, cache, span)
         x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
         return torch.where(pos[:, None] >= 0, x, s)
 
-    def c_body(self, s, pos, depth, cache, rows=None):
+    def c_body(self, s, pos, depth, cache, span, rows=None):
         if not self.args.norm_each_step:  # the final norm sits around the coda instead
             eps = self.args.norm_eps
-            s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, depth, cache), self.norm, eps)
+            s = rms_norm(self._layers(self.coda, rms_norm(s, self.norm, eps), pos, depth, cache, span),
+                         self.norm, eps)
         return self.lm_head(s if rows is None else s[rows]).float()  # [rows, V]
 
-    def _layers(self, blocks, x, pos, depth, cache):
+    def _layers(self, blocks, x, pos, depth, cache, span):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
         p = pos.clamp(min=0)  # idle lanes (-1) take any RoPE row
         cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
-        step = None if cache is None else cache.prepare(pos, depth)
+        step = None if cache is None else cache.prepare(pos, depth, span)
         for blk in blocks:
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             x = blk(x, cos, sin, attend)
         return x
 
-    def compiled(self, fn):
+    def compiled(self, fn, room=0):
         """fn, device work of this model, compiled once for every later generation (README, "Compiled
         decoding"): on CUDA a CUDA graph per shape, on a CPU a C++ wrapper (quicker to enter)."""
         if fn not in self._compiled:
             self._compiled[fn] = compile_call(fn, graphs=self.device.type == "cuda")
+        if room:  # graphs fn may still add in the caller's generation
+            make_room(fn, room)
         return self._compiled[fn]
 
     def initial_state(self, pos):

@@ -1,13 +1,15 @@
 """Compiled decoding (generate(compile=True), README "Compiled decoding"): every schedule gives the
 tokens and logits of AR compiled at the same width, greedy and sampled, and runs AR's graphs. There
 is no skip: a machine without the C compiler that torch.compile needs on a CPU fails here."""
+import random
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import models
 import wfd
-from test_wfd import DEVICE, same_logits, tiny_config, tiny_model
+from test_wfd import DEVICE, GOLDEN, same_logits, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -25,7 +27,7 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
     greedy = run("ar", T)
     assert counters["stats"]["unique_graphs"] > graphs  # it compiled, and did not fall back to eager
     for sampling in (dict(), dict(temperature=0.9, seed=1)):
-        ar = run("ar", T, **sampling)  # a new sampler compiles a new read
+        ar = run("ar", T, **sampling)  # sampled: a read graph of its own (for every seed)
         compiled = counters["stats"]["unique_graphs"]
         for k in range(1, T + 1):
             for method in ("wfd", "dtv"):
@@ -44,7 +46,7 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
     replays, replay = [], models.replay
     monkeypatch.setattr(models, "replay", lambda *args: replays.append(1) or replay(*args))
-    # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups (kv.attend_slots' groups)
+    # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups (kv.block_attention's groups)
     model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE, init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
     model._compiled = {fn: models.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
@@ -63,3 +65,39 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     eager = run("ar", T, False)
     assert eager.tokens == ar.tokens
     assert torch.allclose(torch.stack(eager.logits), torch.stack(ar.logits), atol=1e-4)
+
+
+def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
+    """One process, compiled WFD over 6 prompt lengths greedily and 6 seeds x 2 temperatures sampled:
+    a handful of graphs (R, a greedy read, a sampled read) and one static cache, not one set per
+    length or per sampler setting."""
+    monkeypatch.undo()  # the real kv.BLOCK (conftest shrinks it), which holds every prompt here
+    model = models.load(GOLDEN["ouro_A"])
+    graphs = counters["stats"]["unique_graphs"]
+    rng = random.Random(0)
+    prompt = lambda n: [rng.randrange(model.args.vocab_size) for _ in range(n)]
+    runs = [dict(prompt_ids=prompt(n)) for n in (2, 5, 9, 14, 20, 31)]
+    runs += [dict(prompt_ids=prompt(4), seed=seed, temperature=t) for seed in range(6) for t in (0.7, 1.3)]
+    for run in runs:
+        out = wfd.generate(model, max_new_tokens=6, compile=True, **run)
+        assert len(out.tokens) == 6 and out.stats["compiled"]
+    assert counters["stats"]["unique_graphs"] - graphs <= 8
+    assert len(wfd.STATIC_CACHES[model]) == 1
+    wfd.free_static_caches(model)
+    assert model not in wfd.STATIC_CACHES
+
+
+def test_static_buffers_stay_and_cuda_graphs_are_taken():
+    """A CUDA graph replays on the addresses it recorded: the static KV buffers must not move between
+    generations, and inductor must not skip the graphs (on a GPU: gpu_check.sh runs this on cuda)."""
+    model = tiny_model("huginn", 3, torch.float32)
+    skips = counters["inductor"]["cudagraph_skips"]
+    ptrs = []
+    for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
+        out = wfd.generate(model, prompt, 6, compile=True)
+        assert len(out.tokens) == 6
+        (cache,) = wfd.STATIC_CACHES[model].values()
+        ptrs.append([t.data_ptr() for t in cache.buffers()])
+    assert ptrs[0] == ptrs[1]
+    if DEVICE == "cuda":
+        assert counters["inductor"]["cudagraph_skips"] == skips

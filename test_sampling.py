@@ -48,11 +48,11 @@ def test_mix32_is_lowbias32_on_the_whole_32_bit_range():
 def test_noise_is_a_function_of_seed_position_and_token_alone():
     for vocab in (37, 2048, 50257):
         pos = torch.tensor([0, 5, 6, 130, 2**31 - 1])
-        batch = wfd.gumbel(4, pos, vocab)
+        batch = wfd.gumbel(wfd.seed_key(4), pos, vocab)
         for i in range(len(pos)):  # bit for bit whichever batch the row comes in, and wherever in it
-            assert torch.equal(wfd.gumbel(4, pos[i:i + 1], vocab)[0], batch[i])
-            assert torch.equal(wfd.gumbel(4, pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
-        assert torch.equal(wfd.gumbel(4, pos, vocab + 5)[:, :vocab], batch)
+            assert torch.equal(wfd.gumbel(wfd.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
+            assert torch.equal(wfd.gumbel(wfd.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
+        assert torch.equal(wfd.gumbel(wfd.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
         logits = torch.randn(len(pos), vocab, generator=torch.Generator().manual_seed(vocab))
         for s in SETTINGS:
             both = wfd.choose(logits, pos, wfd.Sampling(**s))
@@ -62,17 +62,17 @@ def test_noise_is_a_function_of_seed_position_and_token_alone():
 
 def test_noise_uniforms_are_uniform_and_independent():
     pos = torch.arange(64)
-    g = wfd.gumbel(0, pos, 2048)
+    g = wfd.gumbel(wfd.seed_key(0), pos, 2048)
     u = torch.exp(-torch.exp(-g))  # back to the hash's uniforms
     assert 0 < u.min() and u.max() < 1
     counts = torch.bincount((u * 100).long().flatten(), minlength=100)
     assert chi_square_p(counts, torch.full((100,), 0.01, dtype=torch.float64)) > 1e-6
     corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
-    others = [u[:, 1:], u[1:, :]] + [torch.exp(-torch.exp(-wfd.gumbel(s, pos, 2048))) for s in (1, 2**40)]
+    others = [u[:, 1:], u[1:, :]] + [torch.exp(-torch.exp(-wfd.gumbel(wfd.seed_key(s), pos, 2048))) for s in (1, 2**40)]
     for other in others:  # neighbouring tokens, neighbouring positions, other seeds (a large one too)
         assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
     keys = [0, 1, 2**32, 2**32 + 1, 2**64, 2**40]  # large seeds do not wrap onto small ones
-    draws = [wfd.gumbel(s, pos, 2048) for s in keys]
+    draws = [wfd.gumbel(wfd.seed_key(s), pos, 2048) for s in keys]
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
 
 

@@ -89,7 +89,7 @@ def test_huginn_forward_matches_golden(huginn):
         assert close(huginn.logits(ids, num_steps=k), g[f"logits_zero_init_steps{k}"], **tol), k
     assert close(huginn.logits(torch.tensor([ids])), g["logits_zero_init_default_steps"], **tol)
     pos = torch.arange(len(ids))
-    coda = huginn._layers(huginn.coda, models.rms_norm(states[-1], huginn.norm, 1e-6), pos, None, None)
+    coda = huginn._layers(huginn.coda, models.rms_norm(states[-1], huginn.norm, 1e-6), pos, None, None, None)
     assert close(coda, g["coda_out_steps8"], **tol)
     assert close(models.rms_norm(coda, huginn.norm, 1e-6), g["final_hidden_steps8"], **tol)
 
@@ -133,7 +133,7 @@ def test_ouro_forward_matches_golden(ouro):
     ids, tol = meta["prompt_ids"], dict(atol=1e-4)
     pos = torch.arange(len(ids))
     _, h = ouro.P(torch.tensor(ids), pos)
-    layer0 = ouro.core[0](h, ouro.rope_cos[pos], ouro.rope_sin[pos], models.causal_attention)
+    layer0 = ouro.core[0](h, ouro.rope_cos[pos], ouro.rope_sin[pos], kv.causal_attention)
     assert close(layer0, g["layer0_step1_out"], **tol)
     for t in range(4):
         h = ouro.R(h, None, pos, t)
@@ -554,3 +554,48 @@ def test_shared_kv_refuses_what_it_cannot_do_exactly(ouro):
         wfd.generate(ouro, [1, 2], 5, kv="shared", draft_steps=1, window=1)
     with pytest.raises(ValueError, match="window only applies to kv='shared'"):
         wfd.generate(ouro, [1, 2], 5, window=3)
+
+
+# -- attention by blocks -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "shared"])
+def test_blocks_only_other_rows_see_change_no_bit(window):
+    """A row's attention alone, and beside a row that sees 5 more key blocks, bit for bit in bfloat16:
+    at a looped layer (per-depth slots, or the shared cache's window and final blocks) and at the
+    coda (one slot for all rows)."""
+    model = tiny_model("huginn", 1, torch.bfloat16)
+    a, B = model.args, kv.BLOCK
+    cache = kv.make_cache(model, 8 * B, model.num_steps, window)
+    g = torch.Generator().manual_seed(0)
+    for t in cache.buffers():
+        t.copy_(torch.randn(t.shape, generator=g))
+    q = torch.randn(2, a.n_heads, a.head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(2, a.n_kv_heads, a.head_dim, generator=g).bfloat16() for _ in range(2))
+    p = B + 3  # the row sees two blocks
+
+    def first_row(other, layer, depth):
+        pos = torch.tensor([p, other])
+        span = cache.span(pos)
+        return cache.attend(cache.prepare(pos, depth, span), layer, q, k, v)[0], span
+
+    for layer, depth in [(0, torch.tensor([2, 1])), (a.n_core, None)]:
+        alone, span = first_row(-1, layer, depth)  # beside an idle lane
+        beside, wider = first_row(p + 5 * B, layer, depth)
+        assert (span, wider) == (2, 7) and torch.equal(alone, beside), layer
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+def test_eager_decoding_runs_on_fused_attention_kernels_alone(kind):
+    """Every attention call takes SDPA's fused kernels (4-D inputs; the prefill is_causal), none the
+    math path that builds the score matrix: flash alone on a CPU, flash and memory-efficient on CUDA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fused = [SDPBackend.FLASH_ATTENTION] + ([SDPBackend.EFFICIENT_ATTENTION] if DEVICE == "cuda" else [])
+    model = tiny_model(kind, 0, torch.float32)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = [dict(method=m) for m in ("ar", "wfd", "dtv")] + [dict(kv="shared")]
+    refs = [wfd.generate(model, prompt, 20, keep_logits=True, **run) for run in runs]
+    with sdpa_kernel(fused):
+        outs = [wfd.generate(model, prompt, 20, keep_logits=True, **run) for run in runs]
+        logits = model.logits(prompt)
+    assert all(same_logits(out, ref) for out, ref in zip(outs, refs))
+    assert torch.equal(logits, model.logits(prompt))

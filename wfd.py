@@ -11,11 +11,11 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from math import ceil
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from kv import make_cache
+import kv
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,24 @@ class Sampling:
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     seed: int = 0
+
+    def on(self, device):
+        """The settings as tensors on `device`: a compiled read takes them as inputs, so that one
+        graph serves every seed, temperature, k and p; only greedy or not, and which filters are on,
+        shape the graph."""
+        t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)
+        return Sampler(self.temperature == 0, t(self.temperature, torch.float64),
+                       None if self.top_k is None else t(self.top_k, torch.int64),
+                       None if self.top_p is None or self.top_p >= 1 else t(self.top_p, torch.float64),
+                       t(seed_key(self.seed), torch.int64))
+
+
+class Sampler(NamedTuple):
+    greedy: bool
+    temperature: torch.Tensor    # float64 []
+    top_k: Optional[torch.Tensor]  # int64 []
+    top_p: Optional[torch.Tensor]  # float64 []
+    key: torch.Tensor            # int64 []: the seed folded to 32 bits (seed_key)
 
 
 M32 = 0xFFFFFFFF
@@ -39,47 +57,54 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def gumbel(seed, pos, vocab):
-    """Gumbel noise g(seed, pos, v) [n, vocab], float64, on pos's device: a function of the three
-    integers alone, whichever batch a row comes in. Any seed >= 0 counts, 32 bits at a time."""
+def seed_key(seed):
+    """Any seed >= 0 folded into 32 bits, 32 bits at a time, on the host."""
     key = 0
-    while True:  # integer arithmetic only, which a compiled read folds to a constant
+    while True:
         key, seed = mix32((key + (seed & M32) + 0x9E3779B9) & M32), seed >> 32
         if not seed:
-            break
+            return key
+
+
+def gumbel(key, pos, vocab):
+    """Gumbel noise g(key, pos, v) [n, vocab], float64, on pos's device: a function of the three
+    integers alone, whichever batch a row comes in. key: seed_key(seed), an int or an int64 tensor."""
     row = mix32(pos ^ key)  # positions are far below 2^32
     h = mix32((row[:, None] + mix32(torch.arange(vocab, device=pos.device))) & M32)
     u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1): never 0 or 1, so both logs are finite
     return u.log_().neg_().log_().neg_()
 
 
-def choose(logits, pos, sampling: Sampling):
+def choose(logits, pos, sampling):
     """The tokens at positions `pos` [n] from the logits [n, V] of the rows before them, int64 [n] on
-    the logits' device, without a host sync. Temperature 0: argmax. Else the Gumbel-max rule: argmax
-    over the allowed tokens of logits / temperature + gumbel(seed, pos, v), an exact sample of the
-    filtered softmax. Drafts and full depth use it alike, so a draft is right iff it equals AR's token.
-    Filters: top-k keeps the logits >= the k-th largest (ties included); then top-p keeps the tokens
-    whose probability (softmax of logits / temperature) is >= that of the last token of the shortest
-    prefix, in descending order, whose probabilities sum to top_p (ties included again)."""
-    if sampling.temperature == 0:
+    the logits' device, without a host sync. sampling: a Sampling, or its tensors (Sampling.on).
+    Temperature 0: argmax. Else the Gumbel-max rule: argmax over the allowed tokens of logits /
+    temperature + gumbel(seed, pos, v), an exact sample of the filtered softmax. Drafts and full depth
+    use it alike, so a draft is right iff it equals AR's token. Filters: top-k keeps the logits >= the
+    k-th largest (ties included); then top-p keeps the tokens whose probability (softmax of logits /
+    temperature) is >= that of the last token of the shortest prefix, in descending order, whose
+    probabilities sum to top_p (ties included again)."""
+    s = sampling.on(logits.device) if isinstance(sampling, Sampling) else sampling
+    if s.greedy:
         return logits.argmax(-1)
-    z = logits.double() / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(sampling.top_k).values[:, -1:], -math.inf)
-    if sampling.top_p is not None and sampling.top_p < 1:
+    z = logits.double() / s.temperature
+    if s.top_k is not None:  # the k-th largest by a sort, since topk takes k as a Python int only
+        kth = (s.top_k.clamp(max=z.shape[-1]) - 1).expand(len(z), 1)
+        z = z.masked_fill(z < z.sort(-1, descending=True).values.gather(-1, kth), -math.inf)
+    if s.top_p is not None:
         probs = z.softmax(-1)
         ranked = probs.sort(descending=True).values
         above = ranked.cumsum(-1) - ranked  # probability of the tokens ranked before each; 0 for the first
-        last = (above < sampling.top_p).sum(-1, keepdim=True) - 1
+        last = (above < s.top_p).sum(-1, keepdim=True) - 1
         z = z.masked_fill(probs < ranked.gather(-1, last), -math.inf)
-    return (z + gumbel(sampling.seed, pos.to(z.device), z.shape[-1])).argmax(-1)
+    return (z + gumbel(s.key, pos.to(z.device), z.shape[-1])).argmax(-1)
 
 
-def read_body(model, s, pos, depth, cache, sampling, rows=None):
+def read_body(model, s, pos, depth, cache, span, sampling, rows=None):
     """C and the tokens its logits choose, in one function, so that compiled decoding compiles them
     into one graph: logits [n, V] of `rows` (default all), and int64 [2, n] holding the token each
     chooses for the position after its row and 1 where all its logits are finite."""
-    logits = model.c_body(s, pos, depth, cache, rows)
+    logits = model.c_body(s, pos, depth, cache, span, rows)
     nxt = (pos if rows is None else pos[rows]) + 1
     return logits, torch.stack([choose(logits, nxt, sampling), logits.isfinite().all(-1).long()])
 
@@ -105,21 +130,36 @@ class Generation:
     logits: list = None      # with keep_logits: the full-depth logits [V] that chose each token
 
 
-STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}
+STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}, the latest last
+KEEP_STATIC_CACHES = 2
 
 
 def static_cache(model, capacity, num_steps, window):
-    """The KV cache of compiled decoding, one per model and setting, kept and zeroed for each
-    generation: a CUDA graph replays on its buffers' addresses (marked static: the graph writes them)."""
-    key = (capacity, num_steps, window, model.device, model.dtype)
+    """The KV cache of compiled decoding, kept per model and setting and zeroed for each generation:
+    a CUDA graph replays on its buffers' addresses (marked static: the graph writes them). The
+    KEEP_STATIC_CACHES latest settings are kept; free_static_caches(model) drops them all."""
+    key = (capacity, num_steps, window, kv.BLOCK, model.device, model.dtype)
     caches = STATIC_CACHES.setdefault(model, {})
     if key not in caches:
-        caches[key] = make_cache(model, capacity, num_steps, window)
+        while len(caches) >= KEEP_STATIC_CACHES:
+            del caches[next(iter(caches))]
+        caches[key] = kv.make_cache(model, capacity, num_steps, window)
         for t in caches[key].buffers():
             torch._dynamo.mark_static_address(t)
+    caches[key] = caches.pop(key)  # the latest last
     for t in caches[key].buffers():
         t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
     return caches[key]
+
+
+def free_static_caches(model):
+    STATIC_CACHES.pop(model, None)
+
+
+def compiled_capacity(model, positions):
+    """Compiled decoding's default capacity: a power of two of at least one key block, so that prompts
+    of many lengths share a few caches and their graphs (attention reads only the written blocks)."""
+    return min(model.args.max_seq_len, max(kv.BLOCK, 1 << (positions - 1).bit_length()))
 
 
 class Decoder:
@@ -132,14 +172,19 @@ class Decoder:
                  eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
                  sampling=Sampling(), compile=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
-        self.compiled, self.sampling = compile, sampling
-        self.read_call = model.compiled(read_body) if compile else read_body  # C and the choice of tokens
+        self.compiled, self.sampler = compile, sampling.on(model.device)
         self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
-        capacity = capacity or self.last_pos + 1
-        self.cache = (static_cache if compile else make_cache)(model, capacity, num_steps, window)
+        capacity = capacity or (compiled_capacity(model, self.last_pos + 1) if compile else self.last_pos + 1)
+        self.cache = (static_cache if compile else kv.make_cache)(model, capacity, num_steps, window)
+        self.read_call = read_body  # C and the choice of tokens
+        if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
+            room = (self.cache.scratch // self.cache.block).bit_length()
+            self.read_call = model.compiled(read_body, room)
+            for fn in (model.p_body, model.r_body):
+                model.compiled(fn, room)
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)  # [width, D]
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
@@ -179,8 +224,8 @@ class Decoder:
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         self.stats["c_calls"] += 1
         pos = torch.tensor(self.lanes(rows)[0])
-        logits, chosen = self.read_call(self.model, self.s, *self.model.to_device(pos, None, self.cache),
-                                        self.sampling)
+        logits, chosen = self.read_call(self.model, self.s, *self.model.to_device(pos, None, self.cache, self.compiled),
+                                        self.sampler)
         return self.readouts(logits, chosen, [r.pos % self.width for r in rows])
 
     def readouts(self, logits, chosen, lanes):
@@ -225,7 +270,7 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        logits, chosen = read_body(self.model, s, *self.model.to_device(pos, None, self.cache), self.sampling,
+        logits, chosen = read_body(self.model, s, *self.model.to_device(pos, None, self.cache), self.sampler,
                                    rows=[n - 1])
         return self.commit(self.readouts(logits, chosen, [0])[0])
 
