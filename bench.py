@@ -29,10 +29,10 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
+import chat
 import models
 import wfd
-from run import (DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors,
-                 token_match)
+from run import DEMO, DTYPES, Parser, add_decoding_args, check_at_least, finite, one_line_errors, token_match
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -67,24 +67,12 @@ LEGEND = """\
 
 # -- prompts ----------------------------------------------------------------------------------------
 
-def chat(model, question):
-    """The model's own chat template around one user turn (Ouro: ChatML; Huginn: its header format),
-    when its tokenizer has the special tokens; else plain text. Returns (text, stop token id)."""
-    tok = model.tokenizer
-    has = lambda *names: all(tok.token_to_id(n) is not None for n in names)
-    if model.kind == "ouro" and has("<|im_start|>", "<|im_end|>"):
-        return (f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
-                tok.token_to_id("<|im_end|>"))
-    if model.kind == "huginn" and has("<|begin_text|>", "<|begin_header|>", "<|end_header|>", "<|end_turn|>"):
-        return ("<|begin_text|><|begin_header|>user<|end_header|>\n\n" + question.strip()
-                + "<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", tok.token_to_id("<|end_turn|>"))
-    return question, default_eos(model)
-
-
 def specbench_prompts(model, path, categories, per_category):
-    """Spec-Bench question.jsonl, first turn only."""
+    """Spec-Bench question.jsonl, first turn only: in the model's chat format (chat.chat_prompt), as
+    text where it has none (the demo, which is no chat model)."""
     if model.tokenizer is None:
         raise ValueError("--questions needs the model's tokenizer.json")
+    as_chat = chat.template(model) is not None
     prompts, taken = [], defaultdict(int)
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -96,8 +84,8 @@ def specbench_prompts(model, path, categories, per_category):
             if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
                 continue
             taken[cat] += 1
-            text, eos = chat(model, turn)
-            ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+            ids, eos = (chat.chat_prompt(model, turn) if as_chat else
+                        (model.tokenizer.encode(turn, add_special_tokens=False).ids, model.eos_token_ids))
             prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
     return prompts
 
@@ -113,7 +101,7 @@ def stdlib_prompts(model, per_file, length=48):
     for rel, text in library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
             prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
+                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=model.eos_token_ids))
     return prompts
 
 
@@ -290,7 +278,8 @@ def load_model(args, log):
 def load_prompts(model, args, log):
     if args.questions:
         cats = set(args.categories.split(",")) if args.categories else None
-        prompts, source = specbench_prompts(model, args.questions, cats, args.per_category), "Spec-Bench, first turns"
+        prompts = specbench_prompts(model, args.questions, cats, args.per_category)
+        source = "Spec-Bench, first turns, " + ("chat format" if chat.template(model) is not None else "as text")
     elif model.tokenizer is None or args.random_weights:
         prompts = random_prompts(model, args.num_prompts, args.prompt_len, args.seed)
         source = f"{args.num_prompts} random-id prompts of {args.prompt_len} tokens"

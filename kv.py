@@ -96,6 +96,17 @@ def attend_slots(q, k, v, slots, visible):
     return y.to(q.dtype).view(n, heads, hd)
 
 
+def cache_bytes(model, capacity, num_steps, window=None):
+    """The bytes make_cache would allocate, from the buffers' shapes alone (generate checks them
+    against free memory before allocating)."""
+    a = model.args
+    column = 2 * a.n_kv_heads * a.head_dim * model.dtype.itemsize  # k and v of one position of one slot
+    if window is None:
+        return (num_steps * a.n_core + a.n_prelude + a.n_coda) * (capacity + 1) * column
+    ring = min(max(window, 2 * window - 2), capacity)
+    return ((a.n_prelude + a.n_coda + a.n_core) * (capacity + 1) + num_steps * a.n_core * (ring + 1)) * column
+
+
 def make_cache(model, capacity, num_steps, window=None):
     """A full per-depth cache, or with a window the shared one."""
     return (KVCache(model, capacity, num_steps) if window is None else
