@@ -3,7 +3,6 @@ They check the table and the answer files, never timings."""
 import json
 import os
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,19 +134,6 @@ def test_gpu_check_smoke():
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Bandwidth bound: ") == 2 and done.stdout.count("| WFD | ") == 2
     assert "OUTPUT DIFFERS" not in done.stderr
-
-
-def test_chat_templates():
-    special = {"<|im_start|>": 1, "<|im_end|>": 2, "<|begin_text|>": 3, "<|begin_header|>": 4,
-               "<|end_header|>": 5, "<|end_turn|>": 6}
-    tok = SimpleNamespace(token_to_id=special.get)
-    ouro = SimpleNamespace(kind="ouro", tokenizer=tok, config={})
-    assert bench.chat(ouro, "Hi?") == ("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n", 2)
-    huginn = SimpleNamespace(kind="huginn", tokenizer=tok, config={})
-    assert bench.chat(huginn, " Hi? ") == (
-        "<|begin_text|><|begin_header|>user<|end_header|>\n\nHi?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", 6)
-    plain = SimpleNamespace(kind="ouro", tokenizer=SimpleNamespace(token_to_id=lambda t: None), config={"eos_token_id": 0})
-    assert bench.chat(plain, "Hi?") == ("Hi?", 0)
 
 
 def test_real_configs():
