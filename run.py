@@ -82,8 +82,8 @@ def parse_args(argv=None):
                    "template (tokenizer_config.json; else its family's format) and stop at the end of the turn too")
     p.add_argument("--eos", help="stop token ids, comma-separated, '' for none (default: generation_config.json's "
                    "eos_token_id, else config.json's; with --chat also the template's end-of-turn token)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "
-                   "instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON object per method (prompt_ids, tokens, text, "
+                   "stats) instead of text")
     p.add_argument("--show-wavefront", action="store_true", help="draw the (position x depth) schedule of the first ticks")
     return p.parse_args(argv)
 
