@@ -8,6 +8,7 @@ for one is an error.
 """
 import json
 from datetime import datetime
+from functools import lru_cache
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -41,14 +42,16 @@ def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def environment():
-    """A sandbox with apply_chat_template's settings, filters and globals."""
+@lru_cache(maxsize=8)
+def compiled(text):
+    """The template compiled once (bench.py renders it for every question) in a sandbox with
+    apply_chat_template's settings, filters and globals."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationBlock, loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env
+    return env.from_string(text)
 
 
 def template(model):
@@ -74,8 +77,7 @@ def render(model, messages, **kwargs):
         raise ValueError(f"the model has no chat template (no chat_template in tokenizer_config.json) and its "
                          f"tokenizer lacks the special tokens of the {model.kind} chat format")
     try:
-        return environment().from_string(text).render(messages=messages, tools=None, documents=None,
-                                                      **special_tokens(model), **kwargs)
+        return compiled(text).render(messages=messages, tools=None, documents=None, **special_tokens(model), **kwargs)
     except jinja2.exceptions.TemplateError as err:
         raise ValueError(f"the chat template fails to render: {err}") from None
 

@@ -143,25 +143,24 @@ def test_family_formats_where_the_checkpoint_has_no_template(tmp_path, capsys):
     assert tokenizer("huginn").decode(ids, skip_special_tokens=False) == (
         "<|begin_text|><|begin_header|>user<|end_header|>\n\nHi?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n")
     assert stop == (124,)
-    # the demo has neither a template nor ChatML's tokens: --chat is refused, bench.py's questions go in as text
-    with pytest.raises(SystemExit) as exit:
-        run.main(["--chat", "--prompt", "Hi?"])
-    assert exit.value.code == 2 and "has no chat template" in capsys.readouterr().err
-    demo = models.load(run.DEMO)
-    questions = os.path.join(HERE, "data", "specbench", "question.jsonl")
-    first = bench.specbench_prompts(demo, questions, None, 1)[0]
-    turn = json.loads(open(questions).readline())["turns"][0]
-    assert first["ids"] == demo.tokenizer.encode(turn, add_special_tokens=False).ids and first["eos"] == (0,)
+    # the demo has neither a template nor ChatML's tokens: run.py --chat and bench.py --prompt-format chat are refused
+    for script, argv in ((run, ["--chat", "--prompt", "Hi?"]), (bench, ["--questions", bench.QUESTIONS,
+                                                                        "--prompt-format", "chat", "--out", ""])):
+        with pytest.raises(SystemExit) as exit:
+            script.main(argv)
+        assert exit.value.code == 2 and "has no chat template" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_bench_questions_take_the_checkpoints_template(tmp_path):
     model = models.load(checkpoint(tmp_path, "ouro", {"eos_token_id": 0}, {"chat_template": CHATML}))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps(dict(question_id=1, category="qa", turns=["Why?", "And?"])) + "\n")
-    [prompt] = bench.specbench_prompts(model, str(questions), None, None)
+    [prompt] = bench.specbench_prompts(model, str(questions), None, None, as_chat=True)
     assert prompt["ids"] == tokenizer("ouro").encode("<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n",
                                                      add_special_tokens=False).ids
     assert prompt["eos"] == (0, 2)
+    [prompt] = bench.specbench_prompts(model, str(questions), None, None, as_chat=False)
+    assert prompt["ids"] == tokenizer("ouro").encode("Why?").ids and prompt["eos"] == (0,)
 
 
 def test_template_errors_are_one_line(tmp_path, capsys):

@@ -82,6 +82,8 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
     (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
     (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
+    (bench, ["--paper", "--random-weights", "x.json"], "--paper runs the Spec-Bench questions through a checkpoint's"),
+    (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
 ]
 
 
