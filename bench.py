@@ -7,6 +7,7 @@ is written in Spec-Bench's answer format.
     python bench.py                                              # demo model, held-out stdlib prompts
     python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
     python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
+    python bench.py --paper --model ByteDance/Ouro-2.6B --device cuda         # the paper's protocol
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
@@ -29,10 +30,10 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
+import chat
 import models
 import wfd
-from run import (DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors,
-                 token_match)
+from run import DEMO, DTYPES, Parser, add_decoding_args, check_at_least, finite, one_line_errors, token_match
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -67,22 +68,9 @@ LEGEND = """\
 
 # -- prompts ----------------------------------------------------------------------------------------
 
-def chat(model, question):
-    """The model's own chat template around one user turn (Ouro: ChatML; Huginn: its header format),
-    when its tokenizer has the special tokens; else plain text. Returns (text, stop token id)."""
-    tok = model.tokenizer
-    has = lambda *names: all(tok.token_to_id(n) is not None for n in names)
-    if model.kind == "ouro" and has("<|im_start|>", "<|im_end|>"):
-        return (f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
-                tok.token_to_id("<|im_end|>"))
-    if model.kind == "huginn" and has("<|begin_text|>", "<|begin_header|>", "<|end_header|>", "<|end_turn|>"):
-        return ("<|begin_text|><|begin_header|>user<|end_header|>\n\n" + question.strip()
-                + "<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", tok.token_to_id("<|end_turn|>"))
-    return question, default_eos(model)
-
-
-def specbench_prompts(model, path, categories, per_category):
-    """Spec-Bench question.jsonl, first turn only."""
+def specbench_prompts(model, path, categories, per_category, as_chat):
+    """Spec-Bench question.jsonl, first turn only: as text, or as_chat one user turn in the model's
+    chat format (chat.chat_prompt, with enable_thinking as the official protocol renders it)."""
     if model.tokenizer is None:
         raise ValueError("--questions needs the model's tokenizer.json")
     prompts, taken = [], defaultdict(int)
@@ -96,8 +84,9 @@ def specbench_prompts(model, path, categories, per_category):
             if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
                 continue
             taken[cat] += 1
-            text, eos = chat(model, turn)
-            ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+            turn = turn.strip()
+            ids, eos = (chat.chat_prompt(model, turn, enable_thinking=True) if as_chat else
+                        (model.tokenizer.encode(turn).ids, model.eos_token_ids))
             prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
     return prompts
 
@@ -113,7 +102,7 @@ def stdlib_prompts(model, per_file, length=48):
     for rel, text in library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
             prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
+                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=model.eos_token_ids))
     return prompts
 
 
@@ -241,7 +230,14 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=DEMO, help="model folder or hub id (default: the demo model)")
     src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
+    p.add_argument("--paper", action="store_true", help="the paper's Spec-Bench protocol for the model given (its "
+                   "flags, printed first; any flag given as well wins), and the paper's speedups beside ours")
     p.add_argument("--questions", help="Spec-Bench question.jsonl (first turns; needs a tokenizer)")
+    p.add_argument("--prompt-format", default="auto", choices=["auto", "raw", "chat"], help="questions as raw text "
+                   "or as one user turn in the model's chat template (enable_thinking); auto: chat for the reasoning "
+                   "fine-tunes (a model name holding 'Thinking'), raw otherwise, as the paper")
+    p.add_argument("--max-prompt-tokens", type=int, help="right-truncate each prompt to N tokens, and skip those "
+                   "under 2 tokens (the paper: 512)")
     p.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--limit", type=int, help="run only the first N prompts of the set")
@@ -287,15 +283,28 @@ def load_model(args, log):
     return model, model_id
 
 
-def load_prompts(model, args, log):
+def prompt_format(args, model_id):
+    """--prompt-format resolved; auto is the official protocol's rule: the chat template for the
+    reasoning fine-tunes (*-Thinking), raw text for the base checkpoints."""
+    if args.prompt_format != "auto":
+        return args.prompt_format
+    return "chat" if "thinking" in model_id.lower() else "raw"
+
+
+def load_prompts(model, model_id, args, log):
     if args.questions:
         cats = set(args.categories.split(",")) if args.categories else None
-        prompts, source = specbench_prompts(model, args.questions, cats, args.per_category), "Spec-Bench, first turns"
+        fmt = prompt_format(args, model_id)
+        prompts = specbench_prompts(model, args.questions, cats, args.per_category, fmt == "chat")
+        source = f"Spec-Bench, first turns, {'chat template' if fmt == 'chat' else 'raw text'}"
     elif model.tokenizer is None or args.random_weights:
         prompts = random_prompts(model, args.num_prompts, args.prompt_len, args.seed)
         source = f"{args.num_prompts} random-id prompts of {args.prompt_len} tokens"
     else:
         prompts, source = stdlib_prompts(model, args.per_file), "held-out stdlib files, 48 tokens from a def"
+    if args.max_prompt_tokens:  # as the official protocol: right-truncated, and under 2 tokens skipped
+        prompts = [dict(p, ids=p["ids"][:args.max_prompt_tokens]) for p in prompts if len(p["ids"]) >= 2]
+        source += f", truncated to {args.max_prompt_tokens} tokens"
     fits = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= model.args.max_seq_len]
     if len(fits) < len(prompts):
         log(f"  skipping {len(prompts) - len(fits)} prompts longer than the context allows")
@@ -421,11 +430,53 @@ def write_answers(model, model_id, names, results, args):
                     stats=finite(st)), allow_nan=False) + "\n")
 
 
+# -- the paper's protocol (the official code's experiments/exp2_spec_bench) ---------------------------
+
+QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "specbench", "question.jsonl")
+PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2
+    "ouro": (4, 1, "ar,wfd"),
+    "huginn": (32, 4, "ar,wfd,wfd-shared"),
+}
+PAPER_SPEEDUPS = {"ouro-2.6b": {"wfd": 2.42}, "huginn-0125": {"wfd": 3.54, "wfd-shared": 4.81}}  # over AR
+
+
+def paper_protocol(args):
+    """The flags of the paper's Spec-Bench protocol for args.model: the 480 questions (ids 81-560, the
+    shipped file), first turns, in the format of --prompt-format auto, right-truncated to 512 tokens,
+    512 new tokens, the family's T and k, bfloat16."""
+    if args.random_weights:
+        raise ValueError("--paper runs the Spec-Bench questions through a checkpoint's tokenizer: give --model, "
+                         "not --random-weights")
+    folder = models.resolve(args.model)
+    kind = models.ModelArgs.from_config(models.read_json(os.path.join(folder, "config.json"))).kind
+    T, k, methods = PAPER[kind]
+    return ["--questions", QUESTIONS, "--prompt-format", "auto", "--max-prompt-tokens", "512", "--max-new-tokens",
+            "512", "--steps", str(T), "--draft-steps", str(k), "--dtype", "bfloat16", "--methods", methods]
+
+
+def print_paper(model_id, figs):
+    """The paper's speedups over AR for this model, beside ours."""
+    paper = PAPER_SPEEDUPS.get(model_id.lower())
+    if paper is None:
+        print(f"\nThe paper reports no Spec-Bench speedup for {model_id}.")
+        return
+    print(f"\nSpeedup over AR, the paper's (Ha & Kim, on its GPU) beside ours: " + "; ".join(
+        f"{METHODS[n][3]} {x:.2f}x (ours {figs[n]['tok_s'] / figs['ar']['tok_s']:.2f}x)" if n in figs else
+        f"{METHODS[n][3]} {x:.2f}x (ours: not run)" for n, x in paper.items()))
+
+
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
+    if args.paper:  # the protocol's flags first, so that the ones given win
+        given = sys.argv[1:] if argv is None else argv
+        protocol = paper_protocol(args)
+        argv = protocol + given
+        args = parse_args(argv)
+        print(f"paper protocol: {shlex.join(protocol)}; then as given: {shlex.join(given)}\n")
     log = lambda msg: tqdm.write(msg, file=sys.stderr)  # above the progress bar, when there is one
-    check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0, threads=1)
+    check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0, threads=1,
+                   max_prompt_tokens=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
@@ -435,11 +486,13 @@ def main(argv=None):
     # plain AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
-    prompts, source = load_prompts(model, args, log)
+    prompts, source = load_prompts(model, model_id, args, log)
     if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
         args.capacity = wfd.compiled_capacity(model, max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1)
     results, compile_s = run_all(model, prompts, names, args, log)
     figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
+    if args.paper:
+        print_paper(model_id, figs)
     if args.out:
         write_answers(model, model_id, names, results, args)
         log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl")

@@ -7,6 +7,7 @@
 #                           256 new tokens): per config, the table, and AR's tok/s against the bandwidth bound
 #   ./gpu_check.sh --smoke  the same bench.py commands on the CPU on the tiny golden configs, not compiled
 #                           (compiling takes a minute on a small CPU), in seconds: test_bench.py runs it
+#   PAPER_MODELS="DIR ..." ./gpu_check.sh   also bench.py --paper on those checkpoint folders, --per-category 1
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = --smoke ]; then
@@ -19,4 +20,9 @@ for run in "$huginn 0.94" "$ouro 0.92"; do
     set -- $run
     python bench.py --random-weights "$1" --acceptance "$2" --device $device --dtype bfloat16 $compile \
         --num-prompts 1 --prompt-len 8 --max-new-tokens $new --warmup 2 --methods ar,wfd --out ''
+done
+# the paper's Spec-Bench protocol (bench.py --paper), one prompt per category, on the real checkpoints
+# named by folder (a GPU machine may reach no hub): PAPER_MODELS="path/Ouro-2.6B path/huginn-0125" ./gpu_check.sh
+for model in ${PAPER_MODELS:-}; do
+    python bench.py --paper --model "$model" --device $device --per-category 1 --out ''
 done

@@ -30,15 +30,16 @@ class Step:
 
 
 class KVCache:
-    def __init__(self, model, capacity, num_steps=None, per_depth=True):
+    def __init__(self, model, capacity, num_steps=None, per_depth=True, device=None):
         a = model.args
+        self.device = device or model.device
         self.n_core, self.num_steps, self.capacity = a.n_core, num_steps or model.num_steps, capacity
         self.block = BLOCK
         self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
         shape = (self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, self.scratch + 1, a.head_dim)
-        self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
+        self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
     def buffers(self):
@@ -150,10 +151,16 @@ def attend_blocks(q, blocks):
     return y.to(q.dtype)
 
 
-def make_cache(model, capacity, num_steps, window=None):
-    """A full per-depth cache, or with a window the shared one."""
-    return (KVCache(model, capacity, num_steps) if window is None else
-            SharedKVCache(model, capacity, num_steps, window))
+def cache_bytes(model, capacity, num_steps, window=None):
+    """The bytes make_cache would allocate, from its buffers built on the meta device (generate
+    checks them against free memory before allocating)."""
+    return make_cache(model, capacity, num_steps, window, device="meta").nbytes
+
+
+def make_cache(model, capacity, num_steps, window=None, device=None):
+    """A full per-depth cache, or with a window the shared one (on the model's device by default)."""
+    return (KVCache(model, capacity, num_steps, device=device) if window is None else
+            SharedKVCache(model, capacity, num_steps, window, device))
 
 
 class SharedKVCache(KVCache):
@@ -162,16 +169,16 @@ class SharedKVCache(KVCache):
     depth-d KV of positions p - window < q <= p, from a ring of max(window, 2 * window - 2) entries,
     and the final-depth KV of every older position."""
 
-    def __init__(self, model, capacity, num_steps, window):
-        super().__init__(model, capacity, num_steps, per_depth=False)  # prelude and coda slots only
+    def __init__(self, model, capacity, num_steps, window, device=None):
+        super().__init__(model, capacity, num_steps, per_depth=False, device=device)  # prelude and coda slots only
         a = model.args
         self.window = window
         self.ring = min(max(window, 2 * window - 2), capacity)
         final = (a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
         ring = (self.num_steps, a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
-        self.final_k = torch.zeros(final, device=model.device, dtype=model.dtype)
+        self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
         self.final_v = torch.zeros_like(self.final_k)
-        self.ring_k = torch.zeros(ring, device=model.device, dtype=model.dtype)
+        self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
 
     def attend(self, step, layer, q, k, v):

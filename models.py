@@ -205,6 +205,9 @@ class LoopedLM(nn.Module):
         self.kind, self.num_steps = a.kind, a.num_steps
         self.state_init, self.seed = state_init, seed
         self.tokenizer = None
+        # what load() reads beside the weights: tokenizer_config.json, the chat template, the stop ids
+        self.tokenizer_config, self.chat_template = {}, None
+        self.eos_token_ids = stop_tokens(self.config, "config.json")
         self._compiled = {}  # function -> its compiled version
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # KV layer ids: the looped layers first (one slot per depth each), then prelude and coda
@@ -392,7 +395,9 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
     a = ModelArgs.from_config(config)
     with torch.device("meta"):
         model = LoopedLM(a, config, state_init, seed)
-    model = model.to_empty(device=device).to(dtype)
+    # every tensor allocated once, in its dtype on its device: float32 first and a cast after would
+    # hold both (15 GB for Huginn in bfloat16)
+    model = model.to(dtype).to_empty(device=device)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(a))  # fp32 whatever the dtype
     if a.tie_embeddings:  # to_empty() gives every parameter its own storage
         model.lm_head.weight = model.embed.weight
@@ -410,7 +415,7 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
 
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-             "tokenizer_config.json", "generation_config.json"]
+             "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
 
 
 def check_device(device):
@@ -451,6 +456,38 @@ def read_json(path):
     return obj
 
 
+def stop_tokens(config, path):
+    """A config's eos_token_id (absent, an id, or a list of ids: real checkpoints end a text and a
+    turn with different tokens) as a tuple."""
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of token ids, not {eos!r}")
+    return tuple(ids)
+
+
+def read_chat_files(model, folder):
+    """tokenizer_config.json, the chat template (chat_template.jinja where the checkpoint has one, as
+    Hugging Face reads it, else tokenizer_config.json's) and the stop ids (generation_config.json's,
+    else config.json's), onto the model."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    model.tokenizer_config = read_json(path) if os.path.exists(path) else {}
+    template = model.tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path) as f:
+            template = f.read()
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder}: the chat template is not a string")
+    model.chat_template = template
+    path = os.path.join(folder, "generation_config.json")
+    generation = read_json(path) if os.path.exists(path) else {}
+    if "eos_token_id" in generation:
+        model.eos_token_ids = stop_tokens(generation, path)
+
+
 def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     """Load an Ouro or Huginn checkpoint from a folder or hub id, tensor by tensor (a 3.5B model is
     never in memory twice). dtype defaults to the checkpoint's. Every tensor is checked to be finite:
@@ -472,6 +509,7 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
         embed_key = layout["embed.weight"][0][0]
         dtype = _read(key_file, embed_key).dtype if embed_key in key_file else torch.float32
     model = from_config(config, device, dtype, state_init, seed)
+    read_chat_files(model, folder)  # before the weights: a damaged file is named in seconds
     expected = {k for parts in layout.values() for k, _ in parts} | unused | (
         {"freqs_cis"} if a.kind == "huginn" else set())
     missing = sorted(expected - unused - key_file.keys())

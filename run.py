@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+import chat
 import models
 import wfd
 
@@ -77,36 +78,48 @@ def parse_args(argv=None):
     add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state",
                       dtype_help="default: the checkpoint's", compile_help="a short run of each method compiles them")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
-    p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "
-                   "instead of text")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as one user turn in the checkpoint's chat "
+                   "template (tokenizer_config.json; else its family's format) and stop at the end of the turn too")
+    p.add_argument("--eos", help="stop token ids, comma-separated, '' for none (default: generation_config.json's "
+                   "eos_token_id, else config.json's; with --chat also the template's end-of-turn token)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per method (prompt_ids, tokens, text, "
+                   "stats) instead of text")
     p.add_argument("--show-wavefront", action="store_true", help="draw the (position x depth) schedule of the first ticks")
     return p.parse_args(argv)
 
 
-def default_eos(model):
-    eos = model.config.get("eos_token_id")
-    return eos[0] if isinstance(eos, list) else eos
+def id_list(flag, text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, not {text!r}") from None
 
 
 def read_prompt(args, model):
+    """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end of turn)."""
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids takes comma-separated integers such as 1,2,3, not {args.prompt_ids!r}") from None
-    if model.tokenizer is None:
+        prompt, eos = id_list("--prompt-ids", args.prompt_ids), model.eos_token_ids
+    elif model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
-    return model.tokenizer.encode(args.prompt).ids
+    elif args.chat:
+        prompt, eos = chat.chat_prompt(model, args.prompt)
+    else:
+        prompt, eos = model.tokenizer.encode(args.prompt).ids, model.eos_token_ids
+    return prompt, eos if args.eos is None else id_list("--eos", args.eos)
 
 
 class TextStream:
-    """Prints the prompt, then the text of each token as it commits. A character whose bytes span
-    several tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFDs wait for the next
-    token; at the end the whole text is out, exactly the decode of every token."""
+    """Prints the prompt, then the text of each token as it commits, decoding only the tokens since
+    the last text printed (from the one before, for context): a long answer costs the same per token
+    as a short one. A character whose bytes span several tokens decodes to U+FFFD until its last byte
+    arrives, so a piece ending in U+FFFD waits for the next token; at the end the whole text is out,
+    exactly the decode of every token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
 
     def __init__(self, tokenizer, prompt):
-        self.tokenizer, self.ids, self.shown = tokenizer, list(prompt), ""
+        self.tokenizer, self.ids = tokenizer, list(prompt)
+        self.start = self.done = 0  # ids[start:done]: printed already, decoded again as context
         self.show(final=False)
 
     def add(self, token):
@@ -114,10 +127,11 @@ class TextStream:
         self.show(final=False)
 
     def show(self, final=True):
-        text = self.tokenizer.decode(self.ids)
-        text = text if final else text.rstrip("\ufffd")
-        print(text[len(self.shown):], end="\n" if final else "", flush=True)
-        self.shown = text
+        before = self.tokenizer.decode(self.ids[self.start:self.done])
+        text = self.tokenizer.decode(self.ids[self.start:])
+        if final or not text.endswith("\ufffd"):
+            print(text[len(before):], end="\n" if final else "", flush=True)
+            self.start, self.done = self.done, len(self.ids)
 
 
 def finite(stats):
@@ -133,9 +147,11 @@ def token_match(tokens, reference):
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
+    peak = "" if stats["peak_memory_bytes"] is None else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB"
+    stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
     return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
             f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
-            f"{stats['tokens_per_s']:.1f} tok/s, KV {stats['kv_bytes'] / 2**20:.1f} MiB{kv}")
+            f"{stats['tokens_per_s']:.1f} tok/s, KV {stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
 
 
 def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
@@ -186,8 +202,7 @@ def main(argv=None):
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
     models.set_threads(model, args.threads)
-    prompt, tok = read_prompt(args, model), model.tokenizer
-    eos = args.eos if args.eos is not None else default_eos(model)
+    (prompt, eos), tok = read_prompt(args, model), model.tokenizer
     # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its
     # width, its exact reference
     runs = ([("ar1", "ar", 1), ("ar", "ar", args.width), ("wfd", "wfd", args.width),
@@ -201,7 +216,7 @@ def main(argv=None):
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     compile=args.compile)
     for _, method, width in runs:  # every input error out before the first line of output
-        wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, **settings)
+        wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
     if args.compile:  # compile each run's calls before it is timed: a 2-token run, at the same KV capacity
         settings["capacity"] = wfd.compiled_capacity(model, len(prompt) + args.max_new_tokens - 1)
         for _, method, width in runs:
@@ -216,8 +231,8 @@ def main(argv=None):
         results[name] = out
         stats = out.stats
         if args.json:
-            print(json.dumps(dict(method=name, tokens=out.tokens, text=tok.decode(out.tokens) if tok else None,
-                                  stats=finite(stats)), allow_nan=False))
+            print(json.dumps(dict(method=name, prompt_ids=prompt, tokens=out.tokens,
+                                  text=tok.decode(out.tokens) if tok else None, stats=finite(stats)), allow_nan=False))
             continue
         if text:
             text.show()

@@ -3,13 +3,13 @@ They check the table and the answer files, never timings."""
 import json
 import os
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import bench
 import models
+from test_chat import CHATML, checkpoint, tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "| " + " | ".join(bench.COLUMNS) + " |"
@@ -137,19 +137,6 @@ def test_gpu_check_smoke():
     assert "OUTPUT DIFFERS" not in done.stderr
 
 
-def test_chat_templates():
-    special = {"<|im_start|>": 1, "<|im_end|>": 2, "<|begin_text|>": 3, "<|begin_header|>": 4,
-               "<|end_header|>": 5, "<|end_turn|>": 6}
-    tok = SimpleNamespace(token_to_id=special.get)
-    ouro = SimpleNamespace(kind="ouro", tokenizer=tok, config={})
-    assert bench.chat(ouro, "Hi?") == ("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n", 2)
-    huginn = SimpleNamespace(kind="huginn", tokenizer=tok, config={})
-    assert bench.chat(huginn, " Hi? ") == (
-        "<|begin_text|><|begin_header|>user<|end_header|>\n\nHi?<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n", 6)
-    plain = SimpleNamespace(kind="ouro", tokenizer=SimpleNamespace(token_to_id=lambda t: None), config={"eos_token_id": 0})
-    assert bench.chat(plain, "Hi?") == ("Hi?", 0)
-
-
 def test_real_configs():
     """The shipped real-size configs build (on the meta device: no memory) at the published sizes."""
     for name, params in (("huginn-0125", 3_564_976_800), ("ouro-2.6b", 2_667_972_608)):
@@ -158,3 +145,43 @@ def test_real_configs():
         with torch.device("meta"):
             model = models.LoopedLM(models.ModelArgs.from_config(config), config)
         assert sum(p.numel() for p in model.parameters()) == params
+
+
+# the Thinking models' kind of template: ChatML, and <think> after the generation prompt on request
+THINKING = CHATML.replace("{{- '<|im_start|>assistant\\n' }}",
+                          "{{- '<|im_start|>assistant\\n' }}{% if enable_thinking %}{{ '<think>\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("name,kind", [("Ouro-2.6B-Thinking", "ouro"), ("Ouro-2.6B", "ouro"), ("huginn-0125", "huginn")])
+def test_paper_protocol(name, kind, tmp_path, capsys):
+    """--paper on the goldens given a tokenizer and a chat template (and the real ones' names): the
+    family's T and k, the questions raw or (a Thinking model) in the chat template with <think>,
+    right-truncated, and the paper's figure where it has one. Flags given win over the protocol's."""
+    folder = checkpoint(tmp_path, kind, {"eos_token_id": [0] if kind == "ouro" else [121, 124]},
+                        {"chat_template": THINKING}, name=name)
+    faster = ["--steps", "8", "--draft-steps", "2"] if kind == "huginn" else []  # than Huginn's T=32
+    out, text = run_bench(capsys, ["--paper", "--model", folder, "--limit", "2", "--max-prompt-tokens", "40",
+                                   "--max-new-tokens", "4", "--warmup", "0", "--out", ""] + faster)
+    T, k = (4, 1) if kind == "ouro" else (32, 4)
+    first = text.splitlines()[0]
+    assert first.startswith("paper protocol: --questions ") and f"--steps {T} --draft-steps {k} --dtype bfloat16" in first
+    T, k = (8, 2) if faster else (T, k)
+    assert f"T={T}, k={k}," in text and "; bfloat16;" in text and "up to 4 new tokens" in text
+    chat = "thinking" in name.lower()
+    assert ("Spec-Bench, first turns, chat template, truncated to 40 tokens" if chat else "raw text, truncated") in text
+    with open(bench.QUESTIONS) as f:
+        turns = [json.loads(f.readline())["turns"][0].strip() for _ in range(2)]
+    tok = tokenizer(kind)
+    for r, turn in zip(out["results"]["ar"], turns):
+        full = (tok.encode(f"<|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                           add_special_tokens=False).ids if chat else tok.encode(turn).ids)
+        assert len(full) > 40 and r["prompt"]["ids"] == full[:40]
+        assert r["prompt"]["eos"] == ((0, 2) if chat else (0,) if kind == "ouro" else (121, 124))
+    assert out["names"] == (["ar", "ar-wave", "wfd"] + (["ar-shared", "wfd-shared"] if kind == "huginn" else []))
+    assert all(cells[-2] == "100%" for cells in rows(text).values())
+    if name == "Ouro-2.6B":
+        assert f"beside ours: WFD 2.42x (ours {out['figs']['wfd']['tok_s'] / out['figs']['ar']['tok_s']:.2f}x)" in text
+    elif kind == "huginn":
+        assert "WFD 3.54x (ours " in text and "; WFD, shared KV 4.81x (ours " in text
+    else:
+        assert "The paper reports no Spec-Bench speedup for Ouro-2.6B-Thinking." in text

@@ -61,7 +61,7 @@ def test_run_py_streams_the_demo_text(demo, capsys):
     run.main(["--prompt", "def f(x):", "--max-new-tokens", "12"])
     out = capsys.readouterr().out
     prompt = demo.tokenizer.encode("def f(x):").ids
-    ar = wfd.generate(demo, prompt, 12, method="ar", eos_token_id=run.default_eos(demo))
+    ar = wfd.generate(demo, prompt, 12, method="ar", eos_token_id=demo.eos_token_ids)
     assert out.startswith(demo.tokenizer.decode(prompt + ar.tokens) + "\n[wfd] 12 tokens")
 
 

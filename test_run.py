@@ -65,6 +65,8 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
     (run, ["--prompt", "x", "--max-new-tokens", "100000"], "exceeds the model's context"),
     (run, ["--prompt", "x", "--threads", "-2"], "--threads must be at least 1"),
+    (run, ["--prompt", "x", "--eos", "2,a"], "--eos takes comma-separated integers"),
+    (run, ["--prompt", "x", "--eos", "5000"], "eos_token_id 5000 is outside the vocabulary"),
     (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"], "not exact for draft-then-verify"),
     (run, ["--prompt", "x", "--steps", "four"], "argument --steps: invalid int value"),
     (run, ["--prompt", "x", "--model", "./demo2"], "no such model folder: ./demo2"),
@@ -80,6 +82,8 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
     (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
     (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
+    (bench, ["--paper", "--random-weights", "x.json"], "--paper runs the Spec-Bench questions through a checkpoint's"),
+    (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
 ]
 
 

@@ -426,6 +426,28 @@ def test_eos_in_the_middle_of_a_wave(kind, seed, dtype):
                 assert out.tokens == ref[:stop + 1], (method, k, i)
 
 
+@pytest.mark.parametrize("kind,seed", [("ouro", 0), ("huginn", 1)])
+def test_a_collection_of_stop_ids_stops_at_the_first_of_them(kind, seed):
+    """Real checkpoints stop at several ids (end of text, end of turn): every method stops where AR
+    does, at the first of them, whichever row of a wave commits it, and exactly (tokens and logits)."""
+    model = tiny_model(kind, seed, torch.float32)
+    prompt, V = [5, 6, 7], model.args.vocab_size
+    for k in (1, model.num_steps - 1):  # the widest wave, and one of two rows
+        ref, at = ar_reference(model, prompt, 20, k)
+        shared = wfd.generate(model, prompt, 20, method="ar", draft_steps=k, kv="shared").tokens  # its own AR
+        absent = next(t for t in range(V) if t not in ref + shared)
+        for (i, j), form in zip(((0, 3), (12, 4), (16, 7)), (list, tuple, set)):
+            for method, hook, kv, want in (("ar", None, "full", ref), ("wfd", None, "full", ref),
+                                           ("wfd", lambda p, t: at(p), "full", ref),
+                                           ("dtv", lambda p, t: at(p), "full", ref), ("wfd", None, "shared", shared)):
+                eos = form([absent, want[i], want[j]])
+                first = min(p for p, t in enumerate(want) if t in eos)
+                out = exact(model, prompt, 20, method, k, draft_len=3, eos_token_id=eos, draft_hook=hook, kv=kv)
+                assert out.tokens == want[:first + 1] and out.stats["stop_token"] == want[first], (method, k, eos)
+    out = wfd.generate(model, prompt, 20, draft_steps=k, eos_token_id=absent)
+    assert out.tokens == ref and out.stats["stop_token"] is None and out.stats["eos_token_ids"] == [absent]
+
+
 @pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4)])
 def test_float32_goldens_every_method_and_depth(name, steps, huginn, ouro):
     model = huginn if name == "huginn_A" else ouro
@@ -461,6 +483,10 @@ def test_bad_input_gives_clear_errors(ouro):
         wfd.generate(ouro, [1, 2], 5, capacity=5)
     with pytest.raises(ValueError, match="method must be"):
         wfd.generate(ouro, [1], 5, method="beam")
+    for eos, message in (("2", "not '2'"), (2.0, "not 2.0"), ([1, "2"], "holds '2'"), ([True], "holds True"),
+                         ([1, 128], "eos_token_id 128 is outside the vocabulary"), (-1, "eos_token_id -1 is outside")):
+        with pytest.raises(ValueError, match=message):
+            wfd.generate(ouro, [1], 5, eos_token_id=eos)
     with pytest.raises(ValueError, match=r"state has shape \(3, 64\), expected \(2, 64\)"):
         models.load(GOLDEN["huginn_A"]).logits([1, 2], state=torch.zeros(3, 64))
     cache = KVCache(ouro, capacity=4)

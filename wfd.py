@@ -130,6 +130,34 @@ class Generation:
     logits: list = None      # with keep_logits: the full-depth logits [V] that chose each token
 
 
+def free_memory(device):
+    """Bytes a new allocation on `device` can take: on CUDA the device's free memory plus what torch's
+    caching allocator holds unused; on a CPU MemAvailable (None where /proc/meminfo is missing)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def new_cache(model, capacity, num_steps, window):
+    """make_cache, refused in one line when the cache does not fit in free memory: a generation
+    asking for 90 GiB would otherwise die in the middle of allocating it."""
+    need, free = kv.cache_bytes(model, capacity, num_steps, window), free_memory(model.device)
+    if free is not None and need > free:
+        low, high = 0, capacity  # the largest capacity that fits: the bytes grow with the capacity
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if kv.cache_bytes(model, mid, num_steps, window) <= free else (low, mid - 1)
+        raise ValueError(f"the KV cache for {capacity} positions needs {need} bytes ({need / 2**30:.2f} GiB), but "
+                         f"{model.device} has {free} bytes free: at most {low} positions (prompt + max_new_tokens "
+                         "- 1) fit; ask for fewer new tokens, or use kv='shared' or a smaller dtype")
+    return kv.make_cache(model, capacity, num_steps, window)
+
+
 STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}, the latest last
 KEEP_STATIC_CACHES = 2
 
@@ -143,7 +171,7 @@ def static_cache(model, capacity, num_steps, window):
     if key not in caches:
         while len(caches) >= KEEP_STATIC_CACHES:
             del caches[next(iter(caches))]
-        caches[key] = kv.make_cache(model, capacity, num_steps, window)
+        caches[key] = new_cache(model, capacity, num_steps, window)
         for t in caches[key].buffers():
             torch._dynamo.mark_static_address(t)
     caches[key] = caches.pop(key)  # the latest last
@@ -169,16 +197,16 @@ class Decoder:
     AR's bits at the same width, in any dtype (README, "Exact in every precision")."""
 
     def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
-                 eos_token_id=None, draft_hook=None, on_token=None, trace=None, keep_logits=False,
+                 stop=frozenset(), draft_hook=None, on_token=None, trace=None, keep_logits=False,
                  sampling=Sampling(), compile=False):
         self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
         self.compiled, self.sampler = compile, sampling.on(model.device)
-        self.max_new_tokens, self.eos_token_id, self.draft_hook = max_new_tokens, eos_token_id, draft_hook
+        self.max_new_tokens, self.stop, self.draft_hook = max_new_tokens, stop, draft_hook
         self.on_token, self.trace = on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         capacity = capacity or (compiled_capacity(model, self.last_pos + 1) if compile else self.last_pos + 1)
-        self.cache = (static_cache if compile else kv.make_cache)(model, capacity, num_steps, window)
+        self.cache = (static_cache if compile else new_cache)(model, capacity, num_steps, window)
         self.read_call = read_body  # C and the choice of tokens
         if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
             room = (self.cache.scratch // self.cache.block).bit_length()
@@ -188,7 +216,7 @@ class Decoder:
         lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)  # [width, D]
         self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
         self.tokens, self.logits = [], [] if keep_logits else None
-        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
+        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0, stop_token=None,
                           r_seconds=0.0)  # host time in the R calls after the prefill (bench.py, on a CPU)
 
     def lanes(self, rows):
@@ -254,11 +282,14 @@ class Decoder:
             raise ValueError(f"the logits for position {len(self.prompt) + len(self.tokens)} are not finite "
                              "(fp16 overflow or damaged weights)")
         self.tokens.append(out.token)
-        if self.logits is not None:
-            self.logits.append(out.logits)
+        if self.logits is not None:  # a copy of the row: a view would keep the read's whole [width, V]
+            self.logits.append(out.logits.clone())
         if self.on_token:
             self.on_token(out.token)
-        return len(self.tokens) >= self.max_new_tokens or out.token == self.eos_token_id
+        if out.token in self.stop:
+            self.stats["stop_token"] = out.token
+            return True
+        return len(self.tokens) >= self.max_new_tokens
 
     def prefill(self):
         """The whole prompt at full depth, all KV slots written; commits the first new token."""
@@ -362,12 +393,29 @@ def prompt_list(prompt_ids):
     return ids.tolist()
 
 
+def stop_ids(eos_token_id, vocab_size):
+    """The stop tokens as a frozenset: eos_token_id is None (none), an int, or a collection of ints
+    (a real checkpoint has several: end of text, end of turn)."""
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"eos_token_id must be None, a token id or a collection of token ids, not {eos_token_id!r}")
+    ids = list(ids)
+    for t in ids:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"eos_token_id holds {t!r}, which is not a token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"eos_token_id {t} is outside the vocabulary (0..{vocab_size - 1})")
+    return frozenset(int(t) for t in ids)
+
+
 def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
-               draft_len=4, width=None, capacity=None, kv="full", window=None, temperature=0.0, top_k=None,
-               top_p=None, seed=0, compile=False):
+               draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
+               temperature=0.0, top_k=None, top_p=None, seed=0, compile=False):
     """generate()'s arguments checked and normalized: (prompt as a list of ints, max_new_tokens as an
-    int, T, k, width, window). run.py calls it too, so that bad input is refused before anything is
-    printed."""
+    int, T, k, width, window, the stop tokens as a frozenset). run.py calls it too, so that bad input
+    is refused before anything is printed."""
     prompt = prompt_list(prompt_ids)
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
         raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
@@ -425,7 +473,7 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
         raise ValueError(f"seed must be an integer >= 0, not {seed!r}")
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, not {compile!r}")
-    return prompt, max_new_tokens, T, k, width, window
+    return prompt, max_new_tokens, T, k, width, window, stop_ids(eos_token_id, model.args.vocab_size)
 
 
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
@@ -435,20 +483,25 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
 
     T = num_steps, k = draft_steps (default: default_draft_steps); width: rows per R / C call (README,
-    "Exact in every precision"); capacity: the KV cache's positions; kv="shared" with its window (README,
+    "Exact in every precision"); capacity: the KV cache's positions, refused when they do not fit in
+    free memory; eos_token_id: a token id or a collection of them, each of which ends the generation
+    (stats["stop_token"] says which did, None when it ran to max_new_tokens); kv="shared" with its window (README,
     "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed: `choose` (README, "Sampling").
     draft_hook(pos, token) -> token may replace each draft (tests force wrong drafts with it: the output
     must not change); on_token(token) is called as each token commits; trace, a list, receives one dict
     per R call (run.py draws it). compile: the P, R and C calls after the prefill run compiled (README,
     "Compiled decoding"); the first generation at each width and capacity pays for compiling."""
-    prompt, max_new_tokens, T, k, width, window = check_args(
+    prompt, max_new_tokens, T, k, width, window, stop = check_args(
         model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
-        draft_len=draft_len, width=width, capacity=capacity, kv=kv, window=window, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, compile=compile)
+        draft_len=draft_len, width=width, capacity=capacity, eos_token_id=eos_token_id, kv=kv, window=window,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, compile=compile)
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,
-                      eos_token_id=eos_token_id, draft_hook=draft_hook, on_token=on_token, trace=trace,
+                      stop=stop, draft_hook=draft_hook, on_token=on_token, trace=trace,
                       keep_logits=keep_logits, sampling=Sampling(temperature, top_k, top_p, seed), compile=compile)
         if not dec.prefill():
             if method == "ar":
@@ -457,7 +510,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                 wavefront(dec, k)
             else:
                 draft_then_verify(dec, k, draft_len)
-    if model.device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     stats, n = dec.stats, len(dec.tokens)
@@ -466,5 +519,6 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                  acceptance=stats["accepted"] / verified if verified else float("nan"),
                  r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
                  kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, temperature=temperature,
-                 top_k=top_k, top_p=top_p, seed=seed, compiled=compile)
+                 top_k=top_k, top_p=top_p, seed=seed, compiled=compile, eos_token_ids=sorted(stop),
+                 peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None)
     return Generation(dec.tokens, stats, dec.logits)
