@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import models
 import wfd
-from run import (DEMO, DTYPES, Parser, add_decoding_args, check_at_least, default_eos, finite, one_line_errors,
-                 token_match)
+from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, finite,
+                 one_line_errors, token_match)
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -205,11 +205,12 @@ def table(results, names, ids):
 
 
 def weight_bytes_per_token(model, num_steps):
-    """Bytes of weights plain AR reads per token: the looped block (and Huginn's adapter) T times,
-    the prelude, the coda and the head once, and one embedding row (the norms are too small to count)."""
+    """Bytes of weights plain AR reads per token: the looped block (and the adapter) T times, the
+    prelude, the coda (and Parcae's C) and the head once, and one embedding row (the norms and
+    Parcae's value-embedding rows are too small to count)."""
     nbytes = lambda modules: sum(p.nbytes for m in modules if m is not None for p in m.parameters())
-    return (num_steps * nbytes([model.core, model.adapter]) + nbytes([model.prelude, model.coda, model.lm_head])
-            + model.embed.weight[0].nbytes)
+    return (num_steps * nbytes([model.core, model.adapter])
+            + nbytes([model.prelude, model.coda, model.coda_in, model.lm_head]) + model.embed.weight[0].nbytes)
 
 
 def memory_bandwidth(device, nbytes=2**28):
@@ -241,6 +242,7 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=DEMO, help="model folder or hub id (default: the demo model)")
     src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     p.add_argument("--questions", help="Spec-Bench question.jsonl (first turns; needs a tokenizer)")
     p.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
@@ -258,7 +260,7 @@ def parse_args(argv=None):
                    "every call attends over all of them")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
-    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0",
+    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's and Parcae's s0",
                       dtype_help="default: the checkpoint's; float32 for random weights",
                       compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
                       "is reported apart")
@@ -269,6 +271,7 @@ def parse_args(argv=None):
 
 def load_model(args, log):
     t0 = time.perf_counter()
+    tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)
     if args.random_weights:
         config = models.read_json(args.random_weights)
         model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
@@ -281,6 +284,7 @@ def load_model(args, log):
         model_id = os.path.basename(os.path.normpath(args.model))
         log(f"loading {args.model} ...")
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
+    model.tokenizer = tokenizer or model.tokenizer
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
     models.set_threads(model, args.threads)

@@ -17,6 +17,10 @@ DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+TOKENIZER_HELP = ("tokenizer.json, or a folder or hub id holding one, for a model whose folder has none "
+                  "(Parcae: SandyResearch/parcae-tokenizer)")
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other error of the command line (no usage block)
         self.exit(2, f"error: {message}\n")
@@ -67,6 +71,7 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEMO, help="model folder or Hugging Face hub id (default: the demo model)")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -74,9 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, draft-len + 1 "
                    "for dtv); --method ar --width 1 is plain decoding")
     p.add_argument("--kv", default="full", choices=["full", "shared"], help="KV cache: per depth, or shared across depths")
-    add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state",
+    add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's and Parcae's random initial state",
                       dtype_help="default: the checkpoint's", compile_help="a short run of each method compiles them")
-    p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
+    p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's and Parcae's initial state")
     p.add_argument("--eos", type=int, help="stop token id (default: the config's eos_token_id)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method (tokens, text, stats) "
                    "instead of text")
@@ -85,7 +90,10 @@ def parse_args(argv=None):
 
 
 def default_eos(model):
+    """The config's eos_token_id, else the tokenizer's <|eos|> (Parcae's configs name none)."""
     eos = model.config.get("eos_token_id")
+    if eos is None and model.tokenizer is not None:
+        eos = model.tokenizer.token_to_id("<|eos|>")
     return eos[0] if isinstance(eos, list) else eos
 
 
@@ -96,8 +104,11 @@ def read_prompt(args, model):
         except ValueError:
             raise ValueError(f"--prompt-ids takes comma-separated integers such as 1,2,3, not {args.prompt_ids!r}") from None
     if model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
-    return model.tokenizer.encode(args.prompt).ids
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of --prompt")
+    ids = model.tokenizer.encode(args.prompt).ids
+    # Parcae's tokenizer adds no special token itself, and its models read text after <|bos|>
+    bos = model.tokenizer.token_to_id("<|bos|>") if model.kind == "parcae" else None
+    return ([bos] if bos is not None else []) + ids
 
 
 class TextStream:
@@ -183,8 +194,10 @@ def main(argv=None):
     check_at_least(args, threads=1)
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
+    tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)  # before the weights: it fails quicker
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
+    model.tokenizer = tokenizer or model.tokenizer
     models.set_threads(model, args.threads)
     prompt, tok = read_prompt(args, model), model.tokenizer
     eos = args.eos if args.eos is not None else default_eos(model)
