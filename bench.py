@@ -33,7 +33,8 @@ from tqdm import tqdm
 import chat
 import models
 import wfd
-from run import DEMO, DTYPES, Parser, add_decoding_args, check_at_least, finite, one_line_errors, token_match
+from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, finite,
+                 one_line_errors, token_match)
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -86,7 +87,7 @@ def specbench_prompts(model, path, categories, per_category, as_chat):
             taken[cat] += 1
             turn = turn.strip()
             ids, eos = (chat.chat_prompt(model, turn, enable_thinking=True) if as_chat else
-                        (model.tokenizer.encode(turn).ids, model.eos_token_ids))
+                        (model.tokenizer.encode(turn).ids, default_eos(model)))
             prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
     return prompts
 
@@ -102,7 +103,7 @@ def stdlib_prompts(model, per_file, length=48):
     for rel, text in library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
             prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=model.eos_token_ids))
+                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
     return prompts
 
 
@@ -194,11 +195,12 @@ def table(results, names, ids):
 
 
 def weight_bytes_per_token(model, num_steps):
-    """Bytes of weights plain AR reads per token: the looped block (and Huginn's adapter) T times,
-    the prelude, the coda and the head once, and one embedding row (the norms are too small to count)."""
+    """Bytes of weights plain AR reads per token: the looped block (and the adapter) T times, the
+    prelude, the coda (and Parcae's C) and the head once, and one embedding row (the norms and
+    Parcae's value-embedding rows are too small to count)."""
     nbytes = lambda modules: sum(p.nbytes for m in modules if m is not None for p in m.parameters())
-    return (num_steps * nbytes([model.core, model.adapter]) + nbytes([model.prelude, model.coda, model.lm_head])
-            + model.embed.weight[0].nbytes)
+    return (num_steps * nbytes([model.core, model.adapter])
+            + nbytes([model.prelude, model.coda, model.coda_in, model.lm_head]) + model.embed.weight[0].nbytes)
 
 
 def memory_bandwidth(device, nbytes=2**28):
@@ -232,6 +234,7 @@ def parse_args(argv=None):
     src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
     p.add_argument("--paper", action="store_true", help="the paper's Spec-Bench protocol for the model given (its "
                    "flags, printed first; any flag given as well wins), and the paper's speedups beside ours")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     p.add_argument("--questions", help="Spec-Bench question.jsonl (first turns; needs a tokenizer)")
     p.add_argument("--prompt-format", default="auto", choices=["auto", "raw", "chat"], help="questions as raw text "
                    "or as one user turn in the model's chat template (enable_thinking); auto: chat for the reasoning "
@@ -254,7 +257,7 @@ def parse_args(argv=None):
                    "the same compiled graphs); attention reads only the key blocks written")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
-    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's s0",
+    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's and Parcae's s0",
                       dtype_help="default: the checkpoint's; float32 for random weights",
                       compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
                       "is reported apart")
@@ -265,6 +268,7 @@ def parse_args(argv=None):
 
 def load_model(args, log):
     t0 = time.perf_counter()
+    tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)
     if args.random_weights:
         config = models.read_json(args.random_weights)
         model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
@@ -277,6 +281,7 @@ def load_model(args, log):
         model_id = os.path.basename(os.path.normpath(args.model))
         log(f"loading {args.model} ...")
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
+    model.tokenizer = tokenizer or model.tokenizer
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
     models.set_threads(model, args.threads)

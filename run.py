@@ -18,6 +18,10 @@ DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+TOKENIZER_HELP = ("tokenizer.json, or a folder or hub id holding one, for a model whose folder has none "
+                  "(Parcae: SandyResearch/parcae-tokenizer)")
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other error of the command line (no usage block)
         self.exit(2, f"error: {message}\n")
@@ -68,6 +72,7 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEMO, help="model folder or Hugging Face hub id (default: the demo model)")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -75,13 +80,14 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, draft-len + 1 "
                    "for dtv); --method ar --width 1 is plain decoding")
     p.add_argument("--kv", default="full", choices=["full", "shared"], help="KV cache: per depth, or shared across depths")
-    add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's random initial state",
+    add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's and Parcae's random initial state",
                       dtype_help="default: the checkpoint's", compile_help="a short run of each method compiles them")
-    p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's initial state")
+    p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's and Parcae's initial state")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as one user turn in the checkpoint's chat "
                    "template (tokenizer_config.json; else its family's format) and stop at the end of the turn too")
     p.add_argument("--eos", help="stop token ids, comma-separated, '' for none (default: generation_config.json's "
-                   "eos_token_id, else config.json's; with --chat also the template's end-of-turn token)")
+                   "eos_token_id, else config.json's, else the tokenizer's <|eos|>; with --chat also the template's "
+                   "end-of-turn token)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method (prompt_ids, tokens, text, "
                    "stats) instead of text")
     p.add_argument("--show-wavefront", action="store_true", help="draw the (position x depth) schedule of the first ticks")
@@ -95,18 +101,26 @@ def id_list(flag, text):
         raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, not {text!r}") from None
 
 
+def default_eos(model):
+    """The checkpoint's stop ids, else the tokenizer's <|eos|> (Parcae's configs name none)."""
+    eos = None if model.eos_token_ids or model.tokenizer is None else model.tokenizer.token_to_id("<|eos|>")
+    return model.eos_token_ids if eos is None else (eos,)
+
+
 def read_prompt(args, model):
     """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end of turn)."""
     if args.chat and args.prompt is None:
         raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     if args.prompt_ids is not None:
-        prompt, eos = id_list("--prompt-ids", args.prompt_ids), model.eos_token_ids
+        prompt, eos = id_list("--prompt-ids", args.prompt_ids), default_eos(model)
     elif model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of --prompt")
     elif args.chat:
         prompt, eos = chat.chat_prompt(model, args.prompt)
     else:
-        prompt, eos = model.tokenizer.encode(args.prompt).ids, model.eos_token_ids
+        # Parcae's tokenizer adds no special token itself, and its models read text after <|bos|>
+        bos = model.tokenizer.token_to_id("<|bos|>") if model.kind == "parcae" else None
+        prompt, eos = [bos] * (bos is not None) + model.tokenizer.encode(args.prompt).ids, default_eos(model)
     return prompt, eos if args.eos is None else id_list("--eos", args.eos)
 
 
@@ -199,8 +213,10 @@ def main(argv=None):
     check_at_least(args, threads=1)
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
+    tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)  # before the weights: it fails quicker
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
+    model.tokenizer = tokenizer or model.tokenizer
     models.set_threads(model, args.threads)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
     # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its

@@ -129,17 +129,18 @@ def test_compiled(capsys):
 
 
 def test_gpu_check_smoke():
-    """gpu_check.sh, the GPU checks, in its CPU smoke mode: both configs benchmarked, exact, and AR
-    set against the bandwidth bound."""
+    """gpu_check.sh, the GPU checks, in its CPU smoke mode: the three configs benchmarked, exact, and
+    AR set against the bandwidth bound."""
     done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("Bandwidth bound: ") == 2 and done.stdout.count("| WFD | ") == 2
+    assert done.stdout.count("Bandwidth bound: ") == 3 and done.stdout.count("| WFD | ") == 3
     assert "OUTPUT DIFFERS" not in done.stderr
 
 
 def test_real_configs():
     """The shipped real-size configs build (on the meta device: no memory) at the published sizes."""
-    for name, params in (("huginn-0125", 3_564_976_800), ("ouro-2.6b", 2_667_972_608)):
+    for name, params in (("huginn-0125", 3_564_976_800), ("ouro-2.6b", 2_667_972_608), ("parcae-140m", 144_323_136),
+                         ("parcae-1.3b", 1_338_591_744)):
         with open(os.path.join(HERE, "configs", f"{name}.json")) as f:
             config = json.load(f)
         with torch.device("meta"):

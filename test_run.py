@@ -10,12 +10,18 @@ import sys
 import pytest
 import torch
 
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
 import bench
 import models
 import run
+import wfd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OURO_A = os.path.join(HERE, "testdata", "ouro_A")
+PARCAE_A = os.path.join(HERE, "testdata", "parcae_A")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,7 +78,9 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt", "x", "--model", "./demo2"], "no such model folder: ./demo2"),
     (run, ["--prompt", "x", "--model", "nobody/no-such-model"], "could not get 'nobody/no-such-model' from the Hugging Face hub"),
     (run, ["--prompt", "x", "--device", "cuda"], "device 'cuda': this torch .* has no CUDA"),
-    (run, ["--prompt", "x", "--model", OURO_A], "has no tokenizer.json: pass --prompt-ids"),
+    (run, ["--prompt", "x", "--model", OURO_A], "has no tokenizer.json: pass --tokenizer, or --prompt-ids"),
+    (run, ["--prompt", "x", "--tokenizer", "./no_such_tokenizer"], "no such tokenizer file or folder: ./no_such_tokenizer"),
+    (run, ["--prompt", "x", "--tokenizer", OURO_A], "no tokenizer.json in .*ouro_A"),
     (run, ["--prompt", "x", "--model", "config"], r"config\.json is not valid JSON"),
     (run, ["--prompt", "x", "--model", "truncated"], r"model\.safetensors is not a readable safetensors file"),
     (run, ["--prompt", "x", "--model", "header"], r"model\.safetensors is not a readable safetensors file"),
@@ -84,6 +92,7 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
     (bench, ["--paper", "--random-weights", "x.json"], "--paper runs the Spec-Bench questions through a checkpoint's"),
     (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
+    (bench, ["--tokenizer", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
 ]
 
 
@@ -155,3 +164,21 @@ def test_streaming_prints_whole_characters(capsys):
     run.main(["--prompt", text, "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert out.startswith(text) and "\ufffd" not in out
+
+
+def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
+    """--tokenizer for a folder without one (Parcae's): the prompt after <|bos|>, which that tokenizer
+    does not add itself, and generation stopping at the token named <|eos|> (the config names none)."""
+    model = models.load(PARCAE_A)
+    prompt = [0, 5, 9, 3]
+    eos = wfd.generate(model, prompt, 30, method="ar").tokens[4]
+    names = {0: "<|bos|>", eos: "<|eos|>"}
+    vocab = {names.get(i, f"w{i}"): i for i in range(model.args.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w2"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run.main(["--model", PARCAE_A, "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", "w5 w9 w3",
+              "--max-new-tokens", "30", "--method", "ar", "--json"])
+    out = strict(capsys.readouterr().out)
+    want = wfd.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens
+    assert out["tokens"] == want and want[-1] == eos and len(want) < 30

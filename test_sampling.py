@@ -211,7 +211,7 @@ def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind,seed", CASES[:2] + CASES[3:5])
+@pytest.mark.parametrize("kind,seed", CASES[:2] + CASES[3:5] + CASES[6:7])
 def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)
     s, prompt, n_new = settings(seed), [3, 1, 4, 1, 5][:1 + seed * 2], 24
@@ -225,7 +225,7 @@ def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
 
 
 @pytest.mark.parametrize("name,steps,s", [("huginn_A", 8, SETTINGS[2]), ("ouro_A", 4, SETTINGS[0]),
-                                           ("ouro_A", 4, SETTINGS[1])])
+                                           ("ouro_A", 4, SETTINGS[1]), ("parcae_A", 4, SETTINGS[1])])
 def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
     model = models.load(GOLDEN[name])
     with open(os.path.join(GOLDEN[name], "golden.json")) as f:

@@ -20,7 +20,7 @@ from kv import KVCache
 torch.set_num_threads(1)  # the test models are tiny: a second thread only adds overhead
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GOLDEN = {name: os.path.join(HERE, "testdata", name) for name in ("huginn_A", "ouro_A")}
+GOLDEN = {name: os.path.join(HERE, "testdata", name) for name in ("huginn_A", "ouro_A", "parcae_A")}
 
 
 def golden(name):
@@ -43,14 +43,22 @@ def cached_greedy(model, prompt, n_new, num_steps):
         e, s = model.P(ids, pos, cache)
         for d in range(num_steps):
             s = model.R(s, e, pos, d, cache)
-        logits = model.C(s, pos, cache)[-1]
+        logits = model.C(s, e, pos, cache)[-1]
         out_logits.append(logits)
         tokens.append(int(logits.argmax()))
         ids, pos = torch.tensor(tokens[-1:]), pos[-1:] + 1
     return tokens, torch.stack(out_logits)
 
 
-# -- Huginn parity ---------------------------------------------------------------------------------
+# -- parity with the official implementations ----------------------------------------------------
+
+TOL = {"huginn_A": 2e-4, "ouro_A": 1e-4, "parcae_A": 1e-4}  # testdata/README.md: forward tensors
+GENERATION = {  # golden: (T, greedy tokens, cached logits, no-cache logits, their tolerance)
+    "huginn_A": (8, "tokens_generated", "gen_logits_cached_steps8", "gen_logits_nocache_steps8", 1e-3),
+    "ouro_A": (4, "gen_cached_tokens", "gen_cached_logits", "gen_nocache_logits", 1e-4),
+    "parcae_A": (4, "gen_tokens", "gen_logits_cached", "gen_logits_nocache", 1e-4),
+}
+
 
 @pytest.fixture(scope="module")
 def huginn():
@@ -62,24 +70,34 @@ def ouro():
     return models.load(GOLDEN["ouro_A"])
 
 
-def huginn_states(model, ids, steps, s0=None):
-    """Per-recurrence (adapter output, raw state) through the P / R calls, without cache."""
+@pytest.fixture(scope="module")
+def parcae():
+    return models.load(GOLDEN["parcae_A"], state_init="zero")
+
+
+def loaded(request, name):
+    """The module's loaded golden model of that name (huginn_A -> the huginn fixture)."""
+    return request.getfixturevalue(name.split("_")[0])
+
+
+def recurrence_states(model, ids, steps, s0=None):
+    """Per recurrence (the core's input, the raw state after it) through the P / R calls, without cache."""
     pos = torch.arange(len(ids))
     e, s = model.P(torch.tensor(ids), pos)
     s = s if s0 is None else s0
-    adapters, states = [], []
+    inputs, states = [], []
     for d in range(steps):
-        adapters.append(model.adapter(torch.cat([s, e], -1)))
+        inputs.append(model.inject(s, e))
         s = model.R(s, e, pos, d)
         states.append(s)
-    return e, torch.stack(adapters), torch.stack(states)
+    return e, torch.stack(inputs), torch.stack(states)
 
 
 def test_huginn_forward_matches_golden(huginn):
     meta, g = golden("huginn_A")
     ids, tol = meta["prompt_ids"], dict(atol=2e-4)
     assert close(huginn.embed(torch.tensor(ids)) * huginn.args.dim ** 0.5, g["embed_scaled"], **tol)
-    e, adapters, states = huginn_states(huginn, ids, 8)
+    e, adapters, states = recurrence_states(huginn, ids, 8)
     assert close(e, g["prelude_out"], **tol)
     assert close(adapters, g["adapter_out_per_step_steps8"], **tol)
     assert close(states, g["core_state_per_step_steps8"], **tol)
@@ -94,39 +112,83 @@ def test_huginn_forward_matches_golden(huginn):
     assert close(models.rms_norm(coda, huginn.norm, 1e-6), g["final_hidden_steps8"], **tol)
 
 
-def test_huginn_explicit_random_state_matches_golden(huginn):
-    meta, g = golden("huginn_A")
-    s0 = g["random_init_state"]
-    for k in (4, 8):
-        assert close(huginn.logits(meta["prompt_ids"], num_steps=k, state=s0), g[f"logits_random_init_steps{k}"], atol=2e-4)
-    _, _, states = huginn_states(huginn, meta["prompt_ids"], 8, s0)
-    assert close(states, g["core_state_per_step_random_init_steps8"], atol=2e-4)
+def test_parcae_forward_matches_golden(parcae):
+    meta, g = golden("parcae_A")
+    ids, tol, eps = meta["prompt_ids"], dict(atol=1e-4), parcae.args.norm_eps
+    pos, x = torch.arange(len(ids)), parcae.embed(torch.tensor(ids))
+    assert close(x, g["embed"], **tol)
+    raw = parcae._layers(parcae.prelude, x, pos, None, None, None, parcae.value_embeddings(torch.tensor(ids)))
+    assert close(raw, g["prelude_raw"], **tol)
+    assert close(models.rms_norm(raw, parcae.prelude_norm, eps), g["prelude_out"], **tol)
+    e, inputs, states = recurrence_states(parcae, ids, 4)
+    assert close(inputs, g["adapter_out_per_step"], **tol)  # [0] = the injection term P made: s0 = 0
+    assert close(states, g["state_per_step"], **tol)
+    for k in range(1, 5):
+        assert close(parcae.C(states[k - 1], e, pos), g["logits_per_step"][k - 1], **tol), k
+    assert close(parcae.logits(ids), g["logits"], **tol)  # the default depth is mean_recurrence, 4
+    assert close(parcae.logits(ids, num_steps=2), g["logits_default_forward"], **tol)  # the official default drew 2
+    c_out = parcae.coda_in(states[-1])
+    coda = parcae._layers(parcae.coda, c_out, pos, None, None, None, e[:, parcae.args.dim:])
+    assert close(c_out, g["C_out"], **tol) and close(coda, g["coda_out"], **tol)
+    assert close(models.rms_norm(coda, parcae.norm, eps), g["final_hidden"], **tol)
+    # value embeddings are mixed in exactly where the official code mixes them
+    names = ([f"prelude.{i}" for i in range(len(parcae.prelude))] + [f"core_block.{j}" for j in range(len(parcae.core))]
+             + [f"coda.{i}" for i in range(len(parcae.coda))])
+    blocks = list(parcae.prelude) + list(parcae.core) + list(parcae.coda)
+    assert ({n for n, b in zip(names, blocks) if b.ve_gate is not None}
+            == {n for n, v in meta["value_embedding_map"].items() if v["ve_applied"]})
 
 
-def test_huginn_generation_matches_golden(huginn):
-    meta, g = golden("huginn_A")
-    ids, want = meta["prompt_ids"], g["tokens_generated"].tolist()
-    tokens, logits = cached_greedy(huginn, ids, 24, 8)
-    assert tokens == want
-    assert close(logits, g["gen_logits_cached_steps8"], atol=1e-3)
-    nocache = torch.stack([huginn.logits(ids + want[:i], num_steps=8)[-1] for i in range(24)])
-    assert nocache.argmax(-1).tolist() == want
-    assert close(nocache, g["gen_logits_nocache_steps8"], atol=1e-3)
-    assert wfd.generate(huginn, ids, 24, method="ar", num_steps=8).tokens == want
+RANDOM_STATE = {  # golden: (the explicit s0, [(depth, logits)], states per step, logits per step)
+    "huginn_A": ("random_init_state", [(4, "logits_random_init_steps4"), (8, "logits_random_init_steps8")],
+                 "core_state_per_step_random_init_steps8", None),
+    "parcae_A": ("init_state_random", [(4, "logits_random_init")], "state_per_step_random_init",
+                 "logits_per_step_random_init"),
+}
 
 
-def test_huginn_random_initial_state_is_seeded_by_position():
-    m = models.load(GOLDEN["huginn_A"], state_init="random", seed=3)
+@pytest.mark.parametrize("name", RANDOM_STATE)
+def test_explicit_random_state_matches_golden(name, request):
+    model, (meta, g) = loaded(request, name), golden(name)
+    s0, logits, states, step_logits = RANDOM_STATE[name]
+    ids, tol = meta["prompt_ids"], dict(atol=TOL[name])
+    for k, key in logits:
+        assert close(model.logits(ids, num_steps=k, state=g[s0]), g[key], **tol), k
+    e, _, ours = recurrence_states(model, ids, len(g[states]), g[s0])
+    assert close(ours, g[states], **tol)
+    if step_logits:
+        pos = torch.arange(len(ids))
+        assert close(torch.stack([model.C(s, e, pos) for s in ours]), g[step_logits], **tol)
+
+
+@pytest.mark.parametrize("name", GENERATION)
+def test_generation_matches_golden(name, request):
+    """Greedy decoding through the per-depth KV cache, and by full recomputation, as the official code."""
+    model, (meta, g) = loaded(request, name), golden(name)
+    T, tokens, cached, nocache, atol = GENERATION[name]
+    ids, want = meta["prompt_ids"], g[tokens].tolist()
+    got, logits = cached_greedy(model, ids, 24, T)
+    assert got == want
+    assert close(logits, g[cached], atol=atol)
+    full = torch.stack([model.logits(ids + want[:i], num_steps=T)[-1] for i in range(24)])
+    assert full.argmax(-1).tolist() == want
+    assert close(full, g[nocache], atol=atol)
+    assert wfd.generate(model, ids, 24, method="ar", num_steps=T).tokens == want
+
+
+@pytest.mark.parametrize("name,s0", [("huginn_A", "random_init_state"), ("parcae_A", "init_state_random")])
+def test_random_initial_state_is_seeded_by_position(name, s0):
+    m = models.load(GOLDEN[name], state_init="random", seed=3)
     a, b = m.initial_state(torch.tensor([5, 6, 7])), m.initial_state(torch.tensor([7]))
     assert torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
-    assert a.abs().max() <= 3 * m.args.init_std * m.args.dim ** 0.5 + 1e-6
-    other = models.load(GOLDEN["huginn_A"], state_init="random", seed=4).initial_state(torch.tensor([7]))
+    bound = 3 * m.args.init_std * m.args.embed_scale  # like-init: cut at 3 sigma, times the embedding scale
+    assert a.abs().max() <= bound + 1e-6
+    assert 0.9 * bound < golden(name)[1][s0].abs().max() <= bound + 1e-6  # the official draw: same sigma and scale
+    other = models.load(GOLDEN[name], state_init="random", seed=4).initial_state(torch.tensor([7]))
     assert not torch.equal(other, b)
     # the tied head: the stored duplicate equals wte, and the model uses one matrix for both
     assert m.lm_head.weight is m.embed.weight
 
-
-# -- Ouro parity -----------------------------------------------------------------------------------
 
 def test_ouro_forward_matches_golden(ouro):
     meta, g = golden("ouro_A")
@@ -138,40 +200,44 @@ def test_ouro_forward_matches_golden(ouro):
     for t in range(4):
         h = ouro.R(h, None, pos, t)
         assert close(h, g["step_hidden"][t], **tol), t
-        assert close(ouro.C(h, pos), g["step_logits"][t], **tol), t
+        assert close(ouro.C(h, None, pos), g["step_logits"][t], **tol), t
     assert close(ouro.logits(ids), g["default_logits"], **tol)
-
-
-def test_ouro_generation_matches_golden(ouro):
-    meta, g = golden("ouro_A")
-    ids, want = meta["prompt_ids"], g["gen_cached_tokens"].tolist()
-    tokens, logits = cached_greedy(ouro, ids, 24, 4)
-    assert tokens == want == g["gen_nocache_tokens"].tolist()
-    assert close(logits, g["gen_cached_logits"], atol=1e-4)
-    nocache = torch.stack([ouro.logits(ids + want[:i])[-1] for i in range(24)])
-    assert close(nocache, g["gen_nocache_logits"], atol=1e-4)
-    assert wfd.generate(ouro, ids, 24, method="ar").tokens == want
+    assert g["gen_nocache_tokens"].tolist() == g["gen_cached_tokens"].tolist()
 
 
 # The goldens must catch the classic mistakes: each variant below is wrong, and must fail.
 
-COMMON = ["rope layout", "norm placement", "final norm", "untied head"]
+COMMON = ["rope layout", "final norm", "untied head"]
+PARCAE = ["qk norm", "value embeddings", "relu2 scale", "no decay", "prelude norm"]
 
 
-@pytest.mark.parametrize("name,mutation", [("ouro_A", m) for m in COMMON + ["norm eps"]] +
-                         [("huginn_A", m) for m in COMMON + ["adapter", "qk_bias", "no embed scale"]])
+@pytest.mark.parametrize("name,mutation", [("ouro_A", m) for m in COMMON + ["norm placement", "norm eps"]] +
+                         [("huginn_A", m) for m in COMMON + ["norm placement", "adapter", "qk_bias", "no embed scale"]]
+                         + [("parcae_A", m) for m in COMMON + ["norm eps"] + PARCAE])
 def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
     model = models.load(GOLDEN[name], state_init="zero")
     if mutation == "rope layout":
         rope = models.apply_rope
         monkeypatch.setattr(models, "apply_rope", lambda x, c, s, inter: rope(x, c, s, not inter))
-    elif mutation == "norm eps":  # Ouro only: it moves Huginn's logits less than their 2e-4 tolerance
-        model.args.norm_eps = 1e-5
+    elif mutation == "norm eps":  # not Huginn: it moves Huginn's logits less than their 2e-4 tolerance
+        model.args.norm_eps = {"ouro_A": 1e-5, "parcae_A": 1e-6}[name]
     elif mutation == "norm placement":  # post-residual norms where the other family puts them
         model.args.post_norm = not model.args.post_norm
-    elif mutation == "final norm":  # Ouro's model.norm / Huginn's ln_f skipped
+    elif mutation == "final norm":  # Ouro's model.norm / Huginn's and Parcae's ln_f skipped
         norm = models.rms_norm
         monkeypatch.setattr(models, "rms_norm", lambda x, w, eps: x if w is model.norm else norm(x, w, eps))
+    elif mutation == "prelude norm":
+        model.prelude_norm.data.fill_(1.0)
+    elif mutation == "qk norm":
+        model.args.qk_norm = False
+    elif mutation == "value embeddings":
+        for blk in list(model.prelude) + list(model.core) + list(model.coda):
+            blk.ve_gate = None
+    elif mutation == "relu2 scale":  # relu(x)^2 without the factor 0.5
+        relu = models.F.relu
+        monkeypatch.setattr(models.F, "relu", lambda x: relu(x) * 2 ** 0.5)
+    elif mutation == "no decay":  # s + softplus(dt) * (e B^T)
+        monkeypatch.setattr(models.DiagonalInjection, "decay", lambda self: torch.ones_like(self.A_log))
     elif mutation == "adapter":  # concat(e, s) instead of concat(s, e)
         w = model.adapter.weight
         w.data = torch.cat([w[:, w.shape[1] // 2:], w[:, :w.shape[1] // 2]], 1)
@@ -180,7 +246,7 @@ def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
             blk.qk_bias.data.zero_()
     elif mutation == "untied head":
         model.lm_head.weight = torch.nn.Parameter(model.embed.weight.roll(1, 0)
-                                                  if name == "huginn_A" else model.embed.weight.clone())
+                                                  if name != "ouro_A" else model.embed.weight.clone())
     elif mutation == "no embed scale":
         model.args.embed_scale = 1.0
     meta, g = golden(name)
@@ -188,7 +254,8 @@ def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
         got = model.logits(meta["prompt_ids"], num_steps=8, state=g["random_init_state"])
         assert not close(got, g["logits_random_init_steps8"], atol=2e-4)
     else:
-        assert not close(model.logits(meta["prompt_ids"]), g["default_logits"], atol=1e-4)
+        assert not close(model.logits(meta["prompt_ids"]), g["logits" if name == "parcae_A" else "default_logits"],
+                         atol=1e-4)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -211,18 +278,30 @@ def test_sharded_bf16_checkpoint_loads(tmp_path, ouro):
     assert m32.dtype == torch.float32
 
 
-def broken_copy(tmp_path, name, edit_config=None, edit_tensors=None):
-    src = GOLDEN[name]
-    with open(os.path.join(src, "config.json")) as f:
+def read_weights(name):
+    """A golden checkpoint's tensors, and the file they came from (Parcae's: a torch pickle)."""
+    pickled = name == "parcae_A"
+    file = "pytorch_model.bin" if pickled else "model.safetensors"
+    path = os.path.join(GOLDEN[name], file)
+    return (torch.load(path, weights_only=True) if pickled else load_file(path)), file
+
+
+def broken_copy(tmp_path, name, edit_config=None, edit_tensors=None, file=None):
+    """A golden checkpoint rewritten, its config and tensors edited first (into `file`, default theirs)."""
+    with open(os.path.join(GOLDEN[name], "config.json")) as f:
         config = json.load(f)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors, theirs = read_weights(name)
     if edit_config:
         edit_config(config)
     if edit_tensors:
         edit_tensors(tensors)
     tmp_path.mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, tmp_path / "model.safetensors")
+    file = file or theirs
+    if file.endswith(".safetensors"):
+        save_file(tensors, tmp_path / file)
+    else:
+        torch.save(tensors, tmp_path / file)
     return str(tmp_path)
 
 
@@ -253,6 +332,53 @@ def test_load_errors_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConnectionError, match="hub is unreachable.*local folder"):
         models.load("ByteDance/Ouro-2.6B")
+
+
+class Payload:
+    """Unpickled without weights_only, it runs print: any code could run in its place."""
+
+    def __reduce__(self):
+        return print, ("the payload ran",)
+
+
+def test_parcae_load_errors_name_the_problem(tmp_path, capsys):
+    def nan(t):
+        t["transformer.adapter.B"][1, 2] = float("nan")
+    cases = [
+        (dict(edit_config=lambda c: c.update(_class_name="GPTConfig")),
+         "unknown _class_name 'GPTConfig' in config.json; supported: .*'ParcaeConfig'"),
+        (dict(edit_tensors=lambda t: t.pop("value_embeds.3.weight")), "lacks tensor 'value_embeds.3.weight'"),
+        (dict(edit_tensors=lambda t: t.pop("transformer.core_block.0.attn.ve_gate.weight")),
+         "lacks tensor 'transformer.core_block.0.attn.ve_gate.weight'"),
+        (dict(edit_tensors=lambda t: t.update({"transformer.core_block.1.attn.ve_gate.weight": torch.zeros(4, 32)})),
+         "unexpected tensor 'transformer.core_block.1.attn.ve_gate.weight'"),
+        (dict(edit_tensors=lambda t: t.update({"transformer.C.weight": torch.zeros(64, 32)})),
+         r"'transformer.C.weight' has shape \(64, 32\), expected \(64, 64\)"),
+        (dict(edit_tensors=nan), r"tensor 'transformer.adapter.B' in \S+pytorch_model\.bin holds NaN or inf"),
+        (dict(edit_config=lambda c: c.update(init_strategy="takase")), "does not support: init_strategy='takase'"),
+        (dict(edit_config=lambda c: c.update(recurrent_embedding_dimension=32)), "recurrent_embedding_dimension 32"),
+        (dict(edit_config=lambda c: c.update(num_key_value_heads=2)), "grouped-query attention"),
+        (dict(edit_tensors=lambda t: t.update(extra=Payload())),
+         r"pytorch_model\.bin holds more than tensors \(print\), which weights_only loading refuses"),
+        (dict(edit_tensors=lambda t: t.update(step=3)), r"pytorch_model\.bin does not hold a state dict"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            models.load(broken_copy(tmp_path / str(i), "parcae_A", **edit))
+    assert "the payload ran" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin is not a readable torch checkpoint \(truncated"):
+        models.load(damaged_copy(tmp_path / "cut", "parcae_A", "pytorch_model.bin", lambda d: d[:len(d) // 2]))
+
+
+def test_parcae_weight_files(tmp_path, parcae):
+    """model.pt (the name parcae_lm's own save gives it) and the pre-zip torch format, which cannot be
+    mapped into memory, load as pytorch_model.bin does."""
+    ids = [0, 5, 9, 3]
+    for i, (file, legacy) in enumerate([("model.pt", False), ("pytorch_model.bin", True)]):
+        folder = broken_copy(tmp_path / str(i), "parcae_A", file=file)
+        if legacy:
+            torch.save(read_weights("parcae_A")[0], os.path.join(folder, file), _use_new_zipfile_serialization=False)
+        assert torch.equal(models.load(folder, state_init="zero").logits(ids), parcae.logits(ids)), file
 
 
 def damaged_copy(tmp_path, name, file, damage):
@@ -290,20 +416,39 @@ def test_missing_folders_and_devices_are_told_apart(tmp_path, monkeypatch):
         models.load(GOLDEN["ouro_A"], device="cuda")
 
 
-def test_save_roundtrip(tmp_path, huginn, ouro):
-    for m in (huginn, ouro):
+def test_save_roundtrip(tmp_path, huginn, ouro, parcae):
+    for m in (huginn, ouro, parcae):
         models.save(m, tmp_path / m.kind)
         again = models.load(str(tmp_path / m.kind), state_init="zero")
         ids = [3, 1, 4, 1, 5]
         assert torch.equal(again.logits(ids), m.logits(ids))
+    # Parcae's file is the official one: the same tensors under the same names, the tied head shared
+    saved = torch.load(tmp_path / "parcae" / "pytorch_model.bin", weights_only=True)
+    official, _ = read_weights("parcae_A")
+    assert saved.keys() == official.keys() and all(torch.equal(saved[k], official[k]) for k in official)
+    assert saved["lm_head.weight"].data_ptr() == saved["transformer.wte.weight"].data_ptr()
 
 
 # -- decoding: every schedule equals greedy AR -----------------------------------------------------
 
+# Parcae's (P, R, C, T, mean_backprop_depth): value embeddings in the core and the coda, as released;
+# in the core only, the coda's table and gate left without each other; in each group, T = 3; T = 5
+PARCAE_LAYOUTS = [(1, 2, 1, 4, 2), (1, 1, 2, 4, 2), (2, 2, 2, 3, 1), (1, 1, 2, 5, 2)]
+
+
 def tiny_config(kind, seed):
-    """A random small config of either family, in the official config.json format."""
+    """A random small config of any family, in the official config.json format."""
     rng = random.Random(seed)
     heads = rng.choice([2, 4])
+    if kind == "parcae":  # a vocabulary padded from 61 to 64
+        P, R, C, T, depth = PARCAE_LAYOUTS[seed % len(PARCAE_LAYOUTS)]
+        return dict(_class_name="ParcaeConfig", n_embd=32, num_attention_heads=heads, num_key_value_heads=heads,
+                    intermediate_size=64, recurrent_embedding_dimension=32,
+                    recurrent_intermediation_embedding_dimension=48, vocab_size=61, padding_multiple=16,
+                    n_layers_in_prelude=P, n_layers_in_recurrent_block=R, n_layers_in_coda=C, mean_recurrence=T,
+                    mean_backprop_depth=depth, block_size=96, norm_eps=1e-5, qk_norm=True, prelude_norm=True,
+                    tie_embeddings=True, injection_type="diagonal", state_init="like-init",
+                    rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=50000))
     if kind == "ouro":
         return dict(model_type="ouro", hidden_size=32, num_attention_heads=heads,
                     num_key_value_heads=rng.choice([1, heads]), head_dim=8, intermediate_size=48,
@@ -327,7 +472,7 @@ def tiny_model(kind, seed, dtype=torch.float64):
                               init_seed=seed)
 
 
-CASES = [(kind, seed) for kind in ("ouro", "huginn") for seed in (0, 1, 2)]
+CASES = [(kind, seed) for kind in ("ouro", "huginn", "parcae") for seed in (0, 1, 2)]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -392,7 +537,7 @@ def test_forced_wrong_drafts_still_give_ar(kind, seed, dtype):
                 assert out.stats["rejected"] == wrong
 
 
-@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae"])
 def test_r_calls_match_the_schedule_at_both_extremes(kind):
     model = tiny_model(kind, 5)
     prompt, M = [7, 8, 9], 20
@@ -448,14 +593,14 @@ def test_a_collection_of_stop_ids_stops_at_the_first_of_them(kind, seed):
     assert out.tokens == ref and out.stats["stop_token"] is None and out.stats["eos_token_ids"] == [absent]
 
 
-@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4)])
-def test_float32_goldens_every_method_and_depth(name, steps, huginn, ouro):
-    model = huginn if name == "huginn_A" else ouro
-    meta, g = golden(name)
-    want = (g["tokens_generated"] if name == "huginn_A" else g["gen_cached_tokens"]).tolist()
+@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4), ("parcae_A", 4),
+                                        ("parcae_A", 6)])
+def test_float32_goldens_every_method_and_depth(name, steps, request):
+    model, (meta, g) = loaded(request, name), golden(name)
+    T, tokens = GENERATION[name][:2]
     ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps)
-    if steps == 8 or name == "ouro_A":
-        assert ar.tokens == want
+    if steps == T:
+        assert ar.tokens == g[tokens].tolist()
     for k in range(1, steps + 1):
         for method in ("wfd", "dtv"):
             out = wfd.generate(model, meta["prompt_ids"], 24, method=method, num_steps=steps, draft_steps=k)
@@ -541,7 +686,7 @@ def test_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
         assert out.tokens == ar.tokens[:stop + 1]
 
 
-@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae"])
 def test_shared_kv_with_a_window_over_everything_is_full_kv(kind):
     model = tiny_model(kind, 7)
     prompt, n_new = [9, 8, 7], 25
@@ -553,10 +698,9 @@ def test_shared_kv_with_a_window_over_everything_is_full_kv(kind):
         assert torch.allclose(torch.stack(out.logits), torch.stack(full.logits), atol=1e-9)
 
 
-@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("ouro_A", 4)])
-def test_shared_kv_float32_goldens(name, steps, huginn, ouro):
-    model = huginn if name == "huginn_A" else ouro
-    meta, _ = golden(name)
+@pytest.mark.parametrize("name,steps", [("huginn_A", 8), ("ouro_A", 4), ("parcae_A", 4)])
+def test_shared_kv_float32_goldens(name, steps, request):
+    model, (meta, _) = loaded(request, name), golden(name)
     for k in range(1, steps + 1):
         ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps, draft_steps=k, kv="shared")
         out = wfd.generate(model, meta["prompt_ids"], 24, num_steps=steps, draft_steps=k, kv="shared")
@@ -610,7 +754,7 @@ def test_blocks_only_other_rows_see_change_no_bit(window):
         assert (span, wider) == (2, 7) and torch.equal(alone, beside), layer
 
 
-@pytest.mark.parametrize("kind", ["ouro", "huginn"])
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae"])
 def test_eager_decoding_runs_on_fused_attention_kernels_alone(kind):
     """Every attention call takes SDPA's fused kernels (4-D inputs; the prefill is_causal), none the
     math path that builds the score matrix: flash alone on a CPU, flash and memory-efficient on CUDA."""

@@ -114,7 +114,7 @@ def depth_losses(model, x, y, shallow=None):
     for d in range(model.num_steps):
         s = model.R(s, None, pos, d)
         b = len(x) if d == model.num_steps - 1 or shallow is None else shallow
-        losses.append(F.cross_entropy(model.C(s[:b], pos).flatten(0, -2), y[:b].flatten()))
+        losses.append(F.cross_entropy(model.C(s[:b], None, pos).flatten(0, -2), y[:b].flatten()))
     return torch.stack(losses)
 
 

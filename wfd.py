@@ -100,11 +100,11 @@ def choose(logits, pos, sampling):
     return (z + gumbel(s.key, pos.to(z.device), z.shape[-1])).argmax(-1)
 
 
-def read_body(model, s, pos, depth, cache, span, sampling, rows=None):
+def read_body(model, s, e, pos, depth, cache, span, sampling, rows=None):
     """C and the tokens its logits choose, in one function, so that compiled decoding compiles them
     into one graph: logits [n, V] of `rows` (default all), and int64 [2, n] holding the token each
     chooses for the position after its row and 1 where all its logits are finite."""
-    logits = model.c_body(s, pos, depth, cache, span, rows)
+    logits = model.c_body(s, e, pos, depth, cache, span, rows)
     nxt = (pos if rows is None else pos[rows]) + 1
     return logits, torch.stack([choose(logits, nxt, sampling), logits.isfinite().all(-1).long()])
 
@@ -213,8 +213,9 @@ class Decoder:
             self.read_call = model.compiled(read_body, room)
             for fn in (model.p_body, model.r_body):
                 model.compiled(fn, room)
-        lanes = torch.zeros(width, model.args.dim, device=model.device, dtype=model.dtype)  # [width, D]
-        self.s, self.e = lanes, (lanes.clone() if model.args.inject else None)  # state, injection
+        lanes = lambda dim: torch.zeros(width, dim, device=model.device, dtype=model.dtype)
+        self.s = lanes(model.args.dim)  # [width, D]: the rows' states
+        self.e = lanes(model.inject_dim) if model.inject_dim else None  # what P made of each row's token
         self.tokens, self.logits = [], [] if keep_logits else None
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0, stop_token=None,
                           r_seconds=0.0)  # host time in the R calls after the prefill (bench.py, on a CPU)
@@ -252,7 +253,7 @@ class Decoder:
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         self.stats["c_calls"] += 1
         pos = torch.tensor(self.lanes(rows)[0])
-        logits, chosen = self.read_call(self.model, self.s, *self.model.to_device(pos, None, self.cache, self.compiled),
+        logits, chosen = self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, self.compiled),
                                         self.sampler)
         return self.readouts(logits, chosen, [r.pos % self.width for r in rows])
 
@@ -301,7 +302,7 @@ class Decoder:
         self.stats["r_calls"] += self.num_steps
         self.stats["rows"] += n * self.num_steps
         self.stats["c_calls"] += 1
-        logits, chosen = read_body(self.model, s, *self.model.to_device(pos, None, self.cache), self.sampler,
+        logits, chosen = read_body(self.model, s, e, *self.model.to_device(pos, None, self.cache), self.sampler,
                                    rows=[n - 1])
         return self.commit(self.readouts(logits, chosen, [0])[0])
 

@@ -1,0 +1,348 @@
+"""The checkpoint formats: where each family keeps its tensors (layouts), reading a checkpoint from a
+folder or the hub with every name, shape and value checked, and writing one in the official layout.
+
+    Ouro, Huginn   config.json (model_type) + safetensors (one file or shards with an index)
+    Parcae         config.json (the dump of ParcaeConfig, named by _class_name) + pytorch_model.bin (or
+                   model.pt), a torch pickle read with weights_only; its tokenizer lives in its own repo
+
+models.py re-exports load, save, read_json and load_tokenizer: models.load is the API.
+"""
+import json
+import os
+import pickle
+import re
+import sys
+from contextlib import contextmanager
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")  # Block's, in the checkpoints' order
+PICKLES = ("pytorch_model.bin", "model.pt")  # Parcae's weights: the hub's file name, then its repo's
+
+
+def _blocks(a):
+    """(our prefix, the checkpoint's prefix) of every block of Huginn and Parcae, prelude first."""
+    groups = (("prelude", "prelude", a.n_prelude), ("core", "core_block", a.n_core), ("coda", "coda", a.n_coda))
+    return [(f"{ours}.{i}.", f"transformer.{theirs}.{i}.") for ours, theirs, n in groups for i in range(n)]
+
+
+def checkpoint_layout(a):
+    """Our parameter name -> [(checkpoint key, rows)]: fused parameters are concatenations of
+    several checkpoint tensors along dim 0. Also returns the checkpoint keys we may find but do not
+    use, and the key of the stored RoPE table (None: computed)."""
+    qkv = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+    layout, unused, rope = {}, set(), "freqs_cis"
+    if a.kind == "ouro":
+        for i in range(a.n_core):
+            src, dst = f"model.layers.{i}.", f"core.{i}."
+            layout[dst + "qkv.weight"] = [(src + f"self_attn.{n}_proj.weight", r) for n, r in zip("qkv", qkv)]
+            layout[dst + "proj.weight"] = [(src + "self_attn.o_proj.weight", None)]
+            layout[dst + "fc.weight"] = [(src + "mlp.gate_proj.weight", a.hidden_dim),
+                                         (src + "mlp.up_proj.weight", a.hidden_dim)]
+            layout[dst + "down.weight"] = [(src + "mlp.down_proj.weight", None)]
+            for ours, theirs in zip(NORMS, ["input_layernorm", "input_layernorm_2",
+                                            "post_attention_layernorm", "post_attention_layernorm_2"]):
+                layout[dst + ours] = [(src + theirs + ".weight", None)]
+        layout["embed.weight"] = [("model.embed_tokens.weight", None)]
+        layout["norm"] = [("model.norm.weight", None)]
+        unused, rope = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}, None  # always full depth
+    elif a.kind == "huginn":
+        for dst, src in _blocks(a):
+            layout[dst + "qkv.weight"] = [(src + "attn.Wqkv.weight", None)]
+            layout[dst + "proj.weight"] = [(src + "attn.proj.weight", None)]
+            layout[dst + "fc.weight"] = [(src + "mlp.fc.weight", None)]
+            layout[dst + "down.weight"] = [(src + "mlp.proj.weight", None)]
+            if a.qk_bias:
+                layout[dst + "qk_bias"] = [(src + "attn.qk_bias", None)]
+            for n, ours in enumerate(NORMS, 1):
+                layout[dst + ours] = [(src + f"norm_{n}.weight", None)]
+        layout["embed.weight"] = [("transformer.wte.weight", None)]
+        layout["adapter.weight"] = [("transformer.adapter.weight", None)]
+        layout["norm"] = [("transformer.ln_f.weight", None)]
+    else:
+        _parcae_layout(a, layout, unused)
+    if a.tie_embeddings:  # Huginn's and Parcae's files hold the tied head a second time
+        unused.add("lm_head.weight")
+    else:
+        layout["lm_head.weight"] = [("lm_head.weight", None)]
+    return layout, unused, rope
+
+
+def _parcae_layout(a, layout, unused):
+    mixing = a.value_embeds
+    for k, (dst, src) in enumerate(_blocks(a)):
+        layout[dst + "qkv.weight"] = [(src + f"attn.c_{n}.weight", r) for n, r in zip("qkv", [
+            a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])]
+        layout[dst + "proj.weight"] = [(src + "attn.c_proj.weight", None)]
+        layout[dst + "fc.weight"] = [(src + "mlp.fc.weight", None)]
+        layout[dst + "down.weight"] = [(src + "mlp.proj.weight", None)]
+        layout[dst + "attn_norm"] = [(src + "norm_1.weight", None)]
+        layout[dst + "mlp_norm"] = [(src + "norm_2.weight", None)]
+        if k in mixing:
+            layout[dst + "ve_gate.weight"] = [(src + "attn.ve_gate.weight", None)]
+        elif k in a.ve_gates:  # a gate without its table: the official code ignores it, and so do we
+            unused.add(src + "attn.ve_gate.weight")
+    if mixing:
+        layout["value_embed"] = [(f"value_embeds.{k}.weight", a.vocab_size) for k in mixing]
+    unused.update(f"value_embeds.{k}.weight" for k in a.ve_tables if k not in mixing)  # tables without a gate
+    layout["embed.weight"] = [("transformer.wte.weight", None)]
+    for name in ("A_log", "dt_bias", "B"):
+        layout["adapter." + name] = [("transformer.adapter." + name, None)]
+    layout["coda_in.weight"] = [("transformer.C.weight", None)]
+    layout["norm"] = [("transformer.ln_f.weight", None)]
+    if a.prelude_norm:
+        layout["prelude_norm"] = [("transformer.ln_prelude.weight", None)]
+
+
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+
+
+def resolve(source, files=HUB_FILES, what="model folder"):
+    """A local folder, or a hub id fetched with huggingface_hub (`files`: by default config, weights,
+    tokenizer only). A name that can only be a path (./x, /x, ~/x, a/b/c) is never sent to the hub."""
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"{source} is a file, not a model folder (one holding config.json and the weights)")
+    if not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", source):
+        raise FileNotFoundError(f"no such {what}: {source}")
+    from huggingface_hub import snapshot_download
+    try:
+        folder = snapshot_download(source, allow_patterns=files)
+        if files is HUB_FILES and not any(n.endswith(".safetensors") for n in os.listdir(folder)):
+            # no safetensors: Parcae's torch pickle, fetched only then (a repo may hold both formats)
+            folder = snapshot_download(source, allow_patterns=list(PICKLES))
+        return folder
+    except Exception as err:
+        raise ConnectionError(
+            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}), and there is "
+            "no local folder of that name. The hub is unreachable from here or the id is wrong; download "
+            "it on a machine that can reach it and pass its local folder instead") from err
+
+
+def read_json(path):
+    """A JSON object from a file, the file named when it holds anything else."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except ValueError as err:  # also the UnicodeDecodeError of a binary file
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def stop_tokens(config, path):
+    """A config's eos_token_id (absent, an id, or a list of ids: real checkpoints end a text and a
+    turn with different tokens) as a tuple."""
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of token ids, not {eos!r}")
+    return tuple(ids)
+
+
+def read_chat_files(model, folder):
+    """tokenizer_config.json, the chat template (chat_template.jinja where the checkpoint has one, as
+    Hugging Face reads it, else tokenizer_config.json's) and the stop ids (generation_config.json's,
+    else config.json's), onto the model."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    model.tokenizer_config = read_json(path) if os.path.exists(path) else {}
+    template = model.tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path) as f:
+            template = f.read()
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder}: the chat template is not a string")
+    model.chat_template = template
+    path = os.path.join(folder, "generation_config.json")
+    generation = read_json(path) if os.path.exists(path) else {}
+    if "eos_token_id" in generation:
+        model.eos_token_ids = stop_tokens(generation, path)
+
+
+def load_tokenizer(source):
+    """A tokenizer.json: the file itself, or the one in a folder or a hub repo (Parcae's tokenizer
+    has a repo of its own, SandyResearch/parcae-tokenizer)."""
+    path = os.path.expanduser(source)
+    if not os.path.isfile(path):
+        path = os.path.join(resolve(source, ["tokenizer.json"], "tokenizer file or folder"), "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no tokenizer.json in {source}")
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{path} is not a tokenizer.json that tokenizers can read: {err}") from None
+
+
+def load(source, device="cpu", dtype=None, state_init="random", seed=0):
+    """Load an Ouro, Huginn or Parcae checkpoint from a folder or hub id, tensor by tensor (a 3.5B
+    model is never in memory twice). dtype defaults to the checkpoint's. Every tensor is checked to be
+    finite: damaged weights would otherwise decode to garbage (argmax of NaN logits is token 0)."""
+    import models  # which imports this module: the model classes are looked up at call time
+    models.check_device(device)
+    folder = resolve(source)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    config = read_json(config_path)
+    a = models.ModelArgs.from_config(config)
+    weights = Weights(folder)
+    layout, unused, rope = checkpoint_layout(a)
+    if dtype is None:
+        embed_key = layout["embed.weight"][0][0]
+        dtype = weights.read(embed_key).dtype if embed_key in weights.keys() else torch.float32
+    model = models.from_config(config, device, dtype, state_init, seed)
+    read_chat_files(model, folder)  # before the weights: a damaged file is named in seconds
+    expected = {k for parts in layout.values() for k, _ in parts} | unused | ({rope} if rope else set())
+    missing = sorted(expected - unused - weights.keys())
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks tensor {missing[0]!r}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = sorted(weights.keys() - expected)
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {a.kind} model of this config"
+                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    params = dict(model.named_parameters())
+    big = sum(os.path.getsize(path) for path in weights.paths) > 1e9  # worth a progress bar (on a terminal)
+    for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor", file=sys.stderr,
+                            disable=None if big else True):
+        p, row = params[name], 0
+        for key, rows in parts:
+            want = (rows or p.shape[0],) + tuple(p.shape[1:])
+            t = weights.read(key)
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {want}")
+            p.data[row:row + want[0]].copy_(t)
+            row += want[0]
+    if rope:  # the stored RoPE table is what the reference uses: cos [..., 0], sin [..., 1]
+        t = weights.read(rope)
+        want = (1, a.max_seq_len, 1, a.head_dim // 2, 2)
+        if tuple(t.shape) != want:
+            raise ValueError(f"tensor {rope!r} has shape {tuple(t.shape)}, expected {want}")
+        model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(device) for i in (0, 1))
+    tok_path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(tok_path):
+        model.tokenizer = load_tokenizer(tok_path)
+    return model
+
+
+def _weight_files(folder):
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        names = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:  # a pickle before other safetensors files (the golden folders hold golden.safetensors)
+        names = ([n for n in PICKLES if os.path.exists(os.path.join(folder, n))][:1]
+                 or sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")))
+    if not names:
+        raise FileNotFoundError(f"no weights in {folder}: no *.safetensors, and no {' or '.join(PICKLES)}")
+    paths = [os.path.join(folder, n) for n in names]
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weight file {path} named by the index is missing")
+    return paths
+
+
+class Weights:
+    """A checkpoint's tensors by name, each read when asked for: from safetensors files, or from a
+    torch pickle mapped into memory (mmap), never loaded whole."""
+
+    def __init__(self, folder):
+        self.paths = _weight_files(folder)
+        self.file, self.pickled = {}, {}
+        for path in self.paths:
+            if path.endswith(".safetensors"):
+                with _open(path) as f:
+                    self.file.update((k, path) for k in f.keys())
+            else:
+                self.pickled = _load_pickle(path)
+                self.file.update((k, path) for k in self.pickled)
+
+    def keys(self):
+        return self.file.keys()
+
+    def read(self, key):
+        if key in self.pickled:
+            t = self.pickled[key]
+        else:
+            with _open(self.file[key]) as f:
+                t = f.get_tensor(key)
+        if not torch.isfinite(t).all():
+            raise ValueError(f"tensor {key!r} in {self.file[key]} holds NaN or inf: the weights are damaged")
+        return t
+
+
+@contextmanager
+def _open(path):
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or damaged?): {err}") from None
+
+
+def _load_pickle(path):
+    """A torch.save state dict, unpickled with weights_only: a pickle can run code, and weights_only
+    builds tensors and plain containers only, refusing everything else."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # the pre-zip format cannot be mapped
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if "Weights only load failed" in str(err):
+            raise ValueError(f"{path} holds more than tensors ({refused.group(1) if refused else 'an object'}), "
+                             "which weights_only loading refuses: a pickle can run code; this one is not loaded") from None
+        raise ValueError(f"{path} is not a readable torch checkpoint: {err}") from None
+    except (RuntimeError, EOFError) as err:
+        raise ValueError(f"{path} is not a readable torch checkpoint (truncated or damaged?): "
+                         f"{str(err).splitlines()[0]}") from None
+    if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
+        raise ValueError(f"{path} does not hold a state dict (tensors by name)")
+    return state
+
+
+def save(model, folder):
+    """Write config.json and the weights in the family's official layout (what load() reads):
+    model.safetensors, or Parcae's pytorch_model.bin (a torch.save state dict)."""
+    os.makedirs(folder, exist_ok=True)
+    layout, _, rope = checkpoint_layout(model.args)
+    params, tensors = dict(model.named_parameters()), {}
+    for name, parts in layout.items():
+        p, row = params[name].detach(), 0
+        for key, rows in parts:  # each a copy of its own: torch.save would write a view's whole storage
+            tensors[key] = p[row:row + (rows or p.shape[0])].to("cpu", copy=True)
+            row += rows or p.shape[0]
+    if model.kind == "ouro":  # the official code requires the (unused) exit gate
+        tensors["model.early_exit_gate.weight"] = torch.zeros(1, model.args.dim, dtype=model.dtype)
+        tensors["model.early_exit_gate.bias"] = torch.zeros(1, dtype=model.dtype)
+    if rope:
+        tensors[rope] = torch.stack([model.rope_cos, model.rope_sin], -1)[None, :, None].cpu()
+    if model.args.tie_embeddings and model.kind != "ouro":
+        # the official files hold the tied head twice: Parcae's one tensor under both names; safetensors,
+        # which refuses shared tensors, a copy
+        wte = tensors["transformer.wte.weight"]
+        tensors["lm_head.weight"] = wte if model.kind == "parcae" else wte.clone()
+    if model.kind == "parcae":
+        torch.save(tensors, os.path.join(folder, PICKLES[0]))
+    else:
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(model.config, f, indent=2)
