@@ -14,7 +14,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# the families' formats (README, "Chat"), written as templates so that one path renders every format
+# the families' formats (README, "Real checkpoints"), written as templates so that one path renders every format
 FAMILY_TEMPLATES = {
     "ouro": ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",

@@ -133,6 +133,14 @@ def test_huginns_template_with_its_generation_block(tmp_path):
     assert stop == (121, 124)
 
 
+def test_the_globals_and_filters_of_apply_chat_template(tmp_path):
+    text = ("{{ messages | tojson }}|{{ strftime_now('%Y') | length }}|{% for m in messages %}{% if loop.index > 1 %}"
+            "{% break %}{% endif %}{{ m['content'] }}{% endfor %}|{{ eos_token }}")
+    model = models.load(checkpoint(tmp_path, "ouro", tokenizer_config={"chat_template": text, "eos_token": "<|im_end|>"}))
+    messages = [{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}]
+    assert chat.render(model, messages) == '[{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}]|4|é|<|im_end|>'
+
+
 def test_family_formats_where_the_checkpoint_has_no_template(tmp_path, capsys):
     ouro = models.load(checkpoint(tmp_path, "ouro", name="ouro"))
     ids, stop = chat.chat_prompt(ouro, "Hi?")
