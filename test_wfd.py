@@ -1,5 +1,6 @@
 """Tests: parity with the official implementations (golden checkpoints in testdata/, computed by the
 official code, see testdata/README.md), and every decoding schedule token-exact against greedy AR."""
+import fnmatch
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+import checkpoints
 import models
 import wfd
 import kv
@@ -379,6 +381,29 @@ def test_parcae_weight_files(tmp_path, parcae):
         if legacy:
             torch.save(read_weights("parcae_A")[0], os.path.join(folder, file), _use_new_zipfile_serialization=False)
         assert torch.equal(models.load(folder, state_init="zero").logits(ids), parcae.logits(ids)), file
+
+
+def test_hub_downloads_fetch_the_weights_each_family_has(tmp_path, monkeypatch):
+    """From the hub: config, safetensors and tokenizer first; a torch pickle only for a repo without
+    safetensors (a repo may hold both); a tokenizer repo's tokenizer.json alone."""
+    import huggingface_hub
+    calls = []
+
+    def snapshot_download(repo, allow_patterns):  # a hub that holds the golden checkpoints, goldens aside
+        calls.append((repo, allow_patterns))
+        src, folder = GOLDEN[repo.split("/")[1]], tmp_path / repo.replace("/", "--")
+        folder.mkdir(exist_ok=True)
+        for name in os.listdir(src):
+            if not name.startswith("golden") and any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                shutil.copy(os.path.join(src, name), folder)
+        return str(folder)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert models.load("hub/parcae_A").kind == "parcae" and models.load("hub/ouro_A").kind == "ouro"
+    assert calls == [("hub/parcae_A", checkpoints.HUB_FILES), ("hub/parcae_A", list(checkpoints.PICKLES)),
+                     ("hub/ouro_A", checkpoints.HUB_FILES)]
+    shutil.copy(os.path.join(HERE, "demo", "tokenizer.json"), tmp_path / "hub--parcae_A")
+    assert models.load_tokenizer("hub/parcae_A").get_vocab_size() == 2048
+    assert calls[-1] == ("hub/parcae_A", ["tokenizer.json"])
 
 
 def damaged_copy(tmp_path, name, file, damage):
