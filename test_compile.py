@@ -15,7 +15,7 @@ from test_wfd import DEVICE, GOLDEN, same_logits, tiny_config, tiny_model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
     model = tiny_model("huginn", 0, dtype)  # a prelude and a coda: P, R and C all compiled
-    T, prompt, n_new = model.num_steps, [3, 1, 4], 20
+    T, prompt, n_new = model.num_steps, [3, 1, 4], 14  # positions up to 15: one key block, then two
     # one width and capacity for every run, so that one set of graphs serves them all (compiling is slow)
     width, capacity = T, len(prompt) + n_new
 
@@ -94,7 +94,7 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     skips = counters["inductor"]["cudagraph_skips"]
     ptrs = []
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
-        out = wfd.generate(model, prompt, 6, compile=True)
+        out = wfd.generate(model, prompt, 6, capacity=16, compile=True)
         assert len(out.tokens) == 6
         (cache,) = wfd.STATIC_CACHES[model].values()
         ptrs.append([t.data_ptr() for t in cache.buffers()])
