@@ -1,0 +1,73 @@
+"""The figure of a bench.py sweep (`bench.py --sweep NAME --plot FILE.png`, or `--plot-from` a saved
+sweep-NAME.json): each method's measured speedup over AR as markers, the ideal T / (A*k + (1-A)*T) as a
+line, AR at 1. matplotlib is an optional dependency, imported only to draw."""
+import json
+import math
+
+PIXELS = (640, 400)  # the PNG's size: small enough to commit, wide enough for the legend
+DPI = 100
+MARKERS = "osD^v<>"
+KEYS = {"sweep", "x_label", "model", "machine", "dtype", "clock", "T", "shown", "points"}
+
+
+def need_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, an optional dependency: pip install matplotlib") from None
+
+
+def read_sweep(path):
+    """A sweep-NAME.json written by bench.py, checked for what plot reads."""
+    with open(path) as f:
+        try:
+            sweep = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{path} is not JSON ({err})") from None
+    missing = KEYS - set(sweep) if isinstance(sweep, dict) else KEYS
+    if missing:
+        raise ValueError(f"{path} is not a bench.py sweep file: it has no {', '.join(sorted(missing))}")
+    if not sweep["points"]:
+        raise ValueError(f"{path} holds no points")
+    return sweep
+
+
+def plot(sweep, path):
+    need_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(PIXELS[0] / DPI, PIXELS[1] / DPI), dpi=DPI)
+    FigureCanvasAgg(fig)  # no pyplot, no global backend: Agg draws this figure alone
+    ax = fig.add_subplot()
+    points, T = sweep["points"], sweep["T"]
+    value = lambda x: math.nan if x is None else x  # undefined (no draft verified): left out of the plot
+    if sweep["sweep"] == "acceptance":
+        # the sweep emulates A; each method's marker sits at the acceptance it measured, under the
+        # curve that acceptance promises (k is the same at every point)
+        k = points[0]["k"]
+        low = min([m["acceptance"] for p in points for m in p["methods"].values() if m["acceptance"] is not None]
+                  + [0.5])
+        grid = [low + (1 - low) * i / 100 for i in range(101)]
+        ax.plot(grid, [T / (a * k + (1 - a) * T) for a in grid], "-", color="0.25",
+                label=f"ideal T / (A·k + (1−A)·T), T={T}, k={k}")
+        where = lambda name: [value(p["methods"][name]["acceptance"]) for p in points]
+    else:
+        xs = [p["x"] for p in points]
+        ax.plot(xs, [value(p["ideal"]) for p in points], "-", color="0.25",
+                label=f"ideal T / (A·k + (1−A)·T) at WFD's measured A, T={T}")
+        where = lambda name: xs
+    ax.axhline(1.0, ls="--", color="0.5", label="AR (1.0)")
+    for marker, name in zip(MARKERS, sweep["shown"][1:]):
+        ax.plot(where(name), [value(p["methods"][name]["speedup"]) for p in points], marker, ls="none",
+                label=f"{points[0]['methods'][name]['label']}, measured")
+    if sweep["sweep"] == "draft-steps":
+        ax.set_xticks([p["x"] for p in points])
+    ax.set_xlabel(sweep["x_label"])
+    ax.set_ylabel("speedup over AR (tok/s / AR's tok/s)")
+    ax.set_title(f"{sweep['model']}: speedup against {sweep['x_label'].split(',')[0].split(' (')[0]}\n"
+                 f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)  # without bbox_inches="tight", which would change the size
