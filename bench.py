@@ -258,6 +258,11 @@ SWEEP_LEGEND = """\
 - identical: every method's tokens and logits equal its exact reference's on every prompt."""
 
 
+def ideal_speedup(T, k, acceptance):
+    """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts to accept."""
+    return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
+
+
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
     return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
@@ -268,9 +273,6 @@ def sweep_points(model, args):
     lengths 16..128), each checked before anything runs."""
     param, _, _, kind = SWEEPS[args.sweep]
     T = model.num_steps if args.steps is None else args.steps
-    if getattr(args, param) is not None:
-        raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: give the points "
-                         "with --points")
     if args.points is None:
         return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128]).get(
             args.sweep, list(range(1, T + 1)))
@@ -328,7 +330,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         ar = figs["ar"]
         points.append(finite(dict(
             x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), acceptance=acc,
-            ideal=T / (acc * k + (1 - acc) * T), methods={n: finite(dict(
+            ideal=ideal_speedup(T, k, acc), methods={n: finite(dict(
                 label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"], speedup=f["tok_s"] / ar["tok_s"],
                 decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"], r_calls_per_token=f["r_per_token"],
                 r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
@@ -552,7 +554,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
-        ideal = lambda A: T / (A * k + (1 - A) * T)
+        ideal = lambda A: ideal_speedup(T, k, A)
         at_A = f"{ideal(args.acceptance):.2f}x at A={args.acceptance}, " if args.acceptance is not None else ""
         print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {at_A}{ideal(a):.2f}x at the measured {a:.3f}; WFD "
               f"reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding alone: "
@@ -591,6 +593,10 @@ def check_sweep_args(args):
         raise ValueError("--plot draws a sweep: give --sweep NAME, or --plot-from a saved sweep-NAME.json")
     if args.points and not args.sweep:
         raise ValueError("--points needs --sweep NAME")
+    param = SWEEPS[args.sweep][0] if args.sweep else None
+    if param and getattr(args, param) is not None:
+        raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: give the points "
+                         "with --points")
     if args.sweep == "length" and args.questions:
         raise ValueError("--sweep length sets the prompts' length: not with --questions, whose prompts are the questions")
     if args.plot:
