@@ -7,11 +7,15 @@ is written in Spec-Bench's answer format.
     python bench.py                                              # demo model, held-out stdlib prompts
     python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
     python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
+    python bench.py --sweep acceptance --plot acc.png             # a row per point, sweep-acceptance.json
+    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # redraw saved points
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
 the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs and
-the output still equals AR's. Such results are labelled "emulated".
+the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
+each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
+--plot draws one with matplotlib, an optional dependency (figures.py).
 """
 import argparse
 import json
@@ -237,8 +241,8 @@ def cpu_name():
 
 # -- sweeps: the paper's figures --------------------------------------------------------------------
 
-# name: (the setting each point sets, its column in the table, the figure's x axis, a point's type). The batch sweep waits
-# for batched decoding: every method decodes one sequence.
+# name: (the setting each point sets, its column in the table, the figure's x axis, a point's type).
+# The batch sweep waits for batched decoding: every method decodes one sequence.
 SWEEPS = {
     "acceptance": ("acceptance", "A (emulated)", "draft acceptance, measured (accepted / verified drafts)", float),
     "draft-steps": ("draft_steps", "k", "draft depth k (recurrences of a draft)", int),
@@ -251,10 +255,10 @@ SWEEP_LEGEND = """\
   the share of it WFD reaches.
 - tok/s, speedup: mean over prompts of new tokens / time, prefill included, and that mean over plain
   AR's, as in bench.py's table. R-call ratio: AR's sequential R calls per token over the method's.
-- AR runs do not depend on the drafts: plain AR, and each method's exact reference (AR at its width),
-  is measured once and reused at every later point whose settings it shares (every point of the
-  acceptance sweep; in the draft-steps sweep, where the width stays the same); * marks a figure
-  measured at an earlier point. The references' own figures are in the JSON.
+- AR's runs have no drafts: plain AR and each method's exact reference (AR at the method's width)
+  are measured once and reused at every later point with the same settings (every point of the
+  acceptance sweep; in the draft-steps sweep, the points of the same width; in the length sweep,
+  none); * marks AR's tok/s measured at an earlier point. The references' figures are in the JSON.
 - identical: every method's tokens and logits equal its exact reference's on every prompt."""
 
 
@@ -329,7 +333,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         acc = figs["wfd"]["acceptance"]
         ar = figs["ar"]
         points.append(finite(dict(
-            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), acceptance=acc,
+            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source, acceptance=acc,
             ideal=ideal_speedup(T, k, acc), methods={n: finite(dict(
                 label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"], speedup=f["tok_s"] / ar["tok_s"],
                 decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"], r_calls_per_token=f["r_per_token"],
@@ -342,7 +346,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         torch=torch.__version__, dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T, draft_len=args.draft_len,
-        emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=source,
+        emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=points[0]["prompt_source"],
         max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile,
         shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
 
@@ -376,7 +380,8 @@ def print_sweep(sweep):
     print(f"\n- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; "
           f"{s['dtype']}; {s['clock']} clock\n- `{s['command']}`")
     print(f"- T={s['T']}{'' if s['sweep'] == 'draft-steps' else ', k=' + str(s['points'][0]['k'])}, DtV draft "
-          f"length {s['draft_len']}; {s['prompts']} prompts ({s['prompt_source']}), "
+          f"length {s['draft_len']}; {s['prompts']} prompts ("
+          + ("each point's length" if s["sweep"] == "length" else s["prompt_source"]) + "), "
           f"up to {s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n")
     print(f"{sweep_table(s)}\n\n{SWEEP_LEGEND}")
 

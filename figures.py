@@ -1,6 +1,6 @@
 """The figure of a bench.py sweep (`bench.py --sweep NAME --plot FILE.png`, or `--plot-from` a saved
 sweep-NAME.json): each method's measured speedup over AR as markers, the ideal T / (A*k + (1-A)*T) as a
-line, AR at 1. matplotlib is an optional dependency, imported only to draw."""
+line, AR at 1, and WFD's R-call ratio as open squares. matplotlib is an optional dependency, imported only to draw."""
 import json
 import math
 
@@ -58,14 +58,20 @@ def plot(sweep, path):
                 label=f"ideal T / (A·k + (1−A)·T) at WFD's measured A, T={T}")
         where = lambda name: xs
     ax.axhline(1.0, ls="--", color="0.5", label="AR (1.0)")
-    for marker, name in zip(MARKERS, sweep["shown"][1:]):
+    colors = {}
+    for i, (marker, name) in enumerate(zip(MARKERS, sweep["shown"][1:])):
+        colors[name] = f"C{i}"
         ax.plot(where(name), [value(p["methods"][name]["speedup"]) for p in points], marker, ls="none",
-                label=f"{points[0]['methods'][name]['label']}, measured")
+                color=colors[name], label=f"{points[0]['methods'][name]['label']}, measured")
+    # the schedule's own gain, whatever a call costs: where the time falls short of it, the calls'
+    # cost (their width, C, P, the prefill) is why
+    ax.plot(where("wfd"), [value(p["methods"]["wfd"]["r_call_ratio"]) for p in points], "s", mfc="none", color=colors["wfd"],
+            label="WFD, R-call ratio (AR's R calls / WFD's)")
     if sweep["sweep"] == "draft-steps":
         ax.set_xticks([p["x"] for p in points])
     ax.set_xlabel(sweep["x_label"])
-    ax.set_ylabel("speedup over AR (tok/s / AR's tok/s)")
-    ax.set_title(f"{sweep['model']}: speedup against {sweep['x_label'].split(',')[0].split(' (')[0]}\n"
+    ax.set_ylabel("speedup over AR (×, ratio of tok/s)")
+    ax.set_title(f"{sweep['model']}, bench.py --sweep {sweep['sweep']}: speedup over AR\n"
                  f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -167,6 +167,7 @@ OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command",
               "date", "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens",
               "decoding", "compiled", "shown", "points"}
+POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
 METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token", "r_call_ratio",
                "acceptance", "tokens_per_round", "kv_mib", "identical", "measured_at_point"}
 
@@ -184,6 +185,7 @@ def sweep(capsys, tmp_path, args):
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(saved["points"])  # the header and a row per point
     for j, p in enumerate(saved["points"]):
+        assert p.keys() == POINT_KEYS
         a = p["acceptance"]
         if a is None:  # no draft verified: k = T, where the wavefront is AR
             assert p["k"] == 4 and p["ideal"] == 1
@@ -238,7 +240,7 @@ def test_sweep_length(capsys, tmp_path):
     saved, _ = sweep(capsys, tmp_path, ["--sweep", "length", "--points", "3,9", "--methods", "wfd"])
     assert [p["prompt_len"] for p in saved["points"]] == [3, 9]
     assert all(m["measured_at_point"] == j for j, p in enumerate(saved["points"]) for m in p["methods"].values())
-    assert saved["prompt_source"] == "1 random-id prompts of 9 tokens"
+    assert [p["prompt_source"] for p in saved["points"]] == [f"1 random-id prompts of {n} tokens" for n in (3, 9)]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -268,3 +270,6 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
         bench.main(["--sweep", "acceptance", "--plot", "x.png"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
+    # and nothing else imports it: bench.py runs without it
+    done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=HERE)
+    assert done.returncode == 0
