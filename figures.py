@@ -55,7 +55,8 @@ def plot(sweep, path):
     else:
         xs = [p["x"] for p in points]
         ax.plot(xs, [value(p["ideal"]) for p in points], "-", color="0.25",
-                label=f"ideal T / (A·k + (1−A)·T) at WFD's measured A, T={T}")
+                label=f"ideal T / (A·k + (1−A)·T) at WFD's measured A, T={T}"
+                + ("" if sweep["sweep"] == "draft-steps" else f", k={points[0]['k']}"))
         where = lambda name: xs
     ax.axhline(1.0, ls="--", color="0.5", label="AR (1.0)")
     colors = {}
@@ -74,6 +75,8 @@ def plot(sweep, path):
     ax.set_title(f"{sweep['model']}, bench.py --sweep {sweep['sweep']}: speedup over AR\n"
                  f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    low, high = ax.get_ylim()  # room above the points for the legend
+    ax.set_ylim(low, high + 0.3 * (high - low))
+    ax.legend(loc="upper left", ncol=2, fontsize=7.5)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)  # without bbox_inches="tight", which would change the size
