@@ -262,11 +262,6 @@ SWEEP_LEGEND = """\
 - identical: every method's tokens and logits equal its exact reference's on every prompt."""
 
 
-def ideal_speedup(T, k, acceptance):
-    """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts to accept."""
-    return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
-
-
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
     return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
@@ -334,7 +329,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         ar = figs["ar"]
         points.append(finite(dict(
             x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source, acceptance=acc,
-            ideal=ideal_speedup(T, k, acc), methods={n: finite(dict(
+            ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
                 label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"], speedup=f["tok_s"] / ar["tok_s"],
                 decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"], r_calls_per_token=f["r_per_token"],
                 r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
@@ -459,7 +454,8 @@ def load_prompts(model, args, log):
         source = f"{args.num_prompts} random-id prompts of {length} tokens"
     else:
         length = args.prompt_len or 48
-        prompts, source = stdlib_prompts(model, args.per_file, length), f"held-out stdlib files, {length} tokens from a def"
+        prompts = stdlib_prompts(model, args.per_file, length)
+        source = f"held-out stdlib files, {length} tokens from a def"
     fits = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= model.args.max_seq_len]
     if len(fits) < len(prompts):
         log(f"  skipping {len(prompts) - len(fits)} prompts longer than the context allows")
@@ -559,7 +555,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
-        ideal = lambda A: ideal_speedup(T, k, A)
+        ideal = lambda A: figures.ideal_speedup(T, k, A)
         at_A = f"{ideal(args.acceptance):.2f}x at A={args.acceptance}, " if args.acceptance is not None else ""
         print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {at_A}{ideal(a):.2f}x at the measured {a:.3f}; WFD "
               f"reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding alone: "
@@ -603,7 +599,8 @@ def check_sweep_args(args):
         raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: give the points "
                          "with --points")
     if args.sweep == "length" and args.questions:
-        raise ValueError("--sweep length sets the prompts' length: not with --questions, whose prompts are the questions")
+        raise ValueError("--sweep length sets the prompts' length: not with --questions, whose prompts are "
+                         "the questions")
     if args.plot:
         figures.need_matplotlib()
 

@@ -10,6 +10,11 @@ MARKERS = "osD^v<>"
 KEYS = {"sweep", "x_label", "model", "machine", "dtype", "clock", "T", "shown", "points"}
 
 
+def ideal_speedup(T, k, acceptance):
+    """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts to accept."""
+    return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
+
+
 def need_matplotlib():
     try:
         import matplotlib  # noqa: F401
@@ -49,7 +54,7 @@ def plot(sweep, path):
         low = min([m["acceptance"] for p in points for m in p["methods"].values() if m["acceptance"] is not None]
                   + [0.5])
         grid = [low + (1 - low) * i / 100 for i in range(101)]
-        ax.plot(grid, [T / (a * k + (1 - a) * T) for a in grid], "-", color="0.25",
+        ax.plot(grid, [ideal_speedup(T, k, a) for a in grid], "-", color="0.25",
                 label=f"ideal T / (A·k + (1−A)·T), T={T}, k={k}")
         where = lambda name: [value(p["methods"][name]["acceptance"]) for p in points]
     else:
@@ -66,8 +71,8 @@ def plot(sweep, path):
                 color=colors[name], label=f"{points[0]['methods'][name]['label']}, measured")
     # the schedule's own gain, whatever a call costs: where the time falls short of it, the calls'
     # cost (their width, C, P, the prefill) is why
-    ax.plot(where("wfd"), [value(p["methods"]["wfd"]["r_call_ratio"]) for p in points], "s", mfc="none", color=colors["wfd"],
-            label="WFD, R-call ratio (AR's R calls / WFD's)")
+    ax.plot(where("wfd"), [value(p["methods"]["wfd"]["r_call_ratio"]) for p in points], "s", mfc="none",
+            color=colors["wfd"], label="WFD, R-call ratio (AR's R calls / WFD's)")
     if sweep["sweep"] == "draft-steps":
         ax.set_xticks([p["x"] for p in points])
     ax.set_xlabel(sweep["x_label"])

@@ -230,8 +230,9 @@ def test_sweep_draft_steps(capsys, tmp_path):
     points = saved["points"]
     assert [p["x"] for p in points] == [p["k"] for p in points] == [1, 2, 3, 4]
     assert [p["methods"]["wfd"]["width"] for p in points] == [4, 2, 2, 1]
-    for name, at in (("ar", [0, 0, 0, 0]), ("ar-wave", [0, 1, 1, 0]), ("ar-shared", [0, 1, 1, 3]), ("wfd", [0, 1, 2, 3])):
-        assert [p["methods"][name]["measured_at_point"] for p in points] == at
+    at = {"ar": [0, 0, 0, 0], "ar-wave": [0, 1, 1, 0], "ar-shared": [0, 1, 1, 3], "wfd": [0, 1, 2, 3]}
+    for name in at:
+        assert [p["methods"][name]["measured_at_point"] for p in points] == at[name]
     assert png_size(tmp_path / "k.png") == bench.figures.PIXELS
 
 
@@ -249,7 +250,7 @@ def test_sweep_length(capsys, tmp_path):
     (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
     (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"], "give it or --sweep, not both"),
     (["--points", "1,2"], "--points needs --sweep NAME"),
-    (["--sweep", "acceptance", "--acceptance", "0.5"], "sets --acceptance at each point: give the points with --points"),
+    (["--sweep", "acceptance", "--acceptance", "0.5"], "sets --acceptance at each point: give the points with"),
     (["--sweep", "draft-steps", "--draft-steps", "2"], "sets --draft-steps at each point"),
     (["--sweep", "length", "--questions", "q.jsonl"], "not with --questions"),
     (["--model", OURO_A, "--sweep", "draft-steps", "--points", "1,5"], "must lie in 1..4, not 5"),
@@ -269,7 +270,8 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--sweep", "acceptance", "--plot", "x.png"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
+    assert exit_.value.code == 2
+    assert err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
     # and nothing else imports it: bench.py runs without it
     done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=HERE)
     assert done.returncode == 0
