@@ -603,6 +603,9 @@ def check_sweep_args(args):
                          "the questions")
     if args.plot:
         figures.need_matplotlib()
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):  # found now, not after the sweep
+            raise ValueError(f"--plot {args.plot}: there is no folder {folder}")
 
 
 def sweep_main(model, model_id, names, args, argv, log):

@@ -250,6 +250,7 @@ def test_sweep_length(capsys, tmp_path):
     (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
     (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"], "give it or --sweep, not both"),
     (["--points", "1,2"], "--points needs --sweep NAME"),
+    (["--sweep", "acceptance", "--plot", "/no/such/folder/x.png"], "there is no folder /no/such/folder"),
     (["--sweep", "acceptance", "--acceptance", "0.5"], "sets --acceptance at each point: give the points with"),
     (["--sweep", "draft-steps", "--draft-steps", "2"], "sets --draft-steps at each point"),
     (["--sweep", "length", "--questions", "q.jsonl"], "not with --questions"),
