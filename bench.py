@@ -8,14 +8,14 @@ is written in Spec-Bench's answer format.
     python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
     python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
     python bench.py --sweep acceptance --plot acc.png             # a row per point, sweep-acceptance.json
-    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # redraw saved points
+    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # saved points again
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
 the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs and
 the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
 each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
---plot draws one with matplotlib, an optional dependency (figures.py).
+--plot draws one with matplotlib, an optional dependency (figures.py: the table and the figure).
 """
 import argparse
 import json
@@ -241,26 +241,9 @@ def cpu_name():
 
 # -- sweeps: the paper's figures --------------------------------------------------------------------
 
-# name: (the setting each point sets, its column in the table, the figure's x axis, a point's type).
-# The batch sweep waits for batched decoding: every method decodes one sequence.
-SWEEPS = {
-    "acceptance": ("acceptance", "A (emulated)", "draft acceptance, measured (accepted / verified drafts)", float),
-    "draft-steps": ("draft_steps", "k", "draft depth k (recurrences of a draft)", int),
-    "length": ("prompt_len", "prompt tokens", "prompt length (tokens)", int),
-}
-SWEEP_LEGEND = """\
-- the point: the emulated acceptance A, the draft depth k or the prompt length. acceptance:
-  WFD's, measured (accepted / verified drafts); ideal: T / (A*k + (1-A)*T) at that acceptance, the
-  wavefront's speedup if a call cost the same at every width and nothing else took time; WFD / ideal:
-  the share of it WFD reaches.
-- tok/s, speedup: mean over prompts of new tokens / time, prefill included, and that mean over plain
-  AR's, as in bench.py's table. R-call ratio: AR's sequential R calls per token over the method's.
-- AR's runs have no drafts: plain AR and each method's exact reference (AR at the method's width)
-  are measured once and reused at every later point with the same settings (every point of the
-  acceptance sweep; in the draft-steps sweep, the points of the same width; in the length sweep,
-  none); * marks AR's tok/s measured at an earlier point. The references' figures are in the JSON.
-- identical: every method's tokens and logits equal its exact reference's on every prompt."""
-
+# name: (the setting each point sets, a point's type); figures.AXES names them in the table and the
+# figure. The batch sweep waits for batched decoding: every method decodes one sequence.
+SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int), "length": ("prompt_len", int)}
 
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
@@ -270,7 +253,7 @@ def machine(device):
 def sweep_points(model, args):
     """The points of args.sweep: --points, or the defaults (acceptance 0.5..1, k over 1..T, prompt
     lengths 16..128), each checked before anything runs."""
-    param, _, _, kind = SWEEPS[args.sweep]
+    param, kind = SWEEPS[args.sweep]
     T = model.num_steps if args.steps is None else args.steps
     if args.points is None:
         return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128]).get(
@@ -336,7 +319,7 @@ def run_sweep(model, model_id, names, args, argv, log):
                 tokens_per_round=f["per_round"], kv_mib=f["kv_mib"], identical=f["identical"],
                 measured_at_point=reused.get(n, (j,))[0])) for n, f in figs.items()})))
     return dict(
-        sweep=args.sweep, x_label=SWEEPS[args.sweep][2],
+        sweep=args.sweep, x_label=figures.AXES[args.sweep][1],
         model=model_id, machine=machine(args.device), device=args.device, threads=torch.get_num_threads(),
         torch=torch.__version__, dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
@@ -344,41 +327,6 @@ def run_sweep(model, model_id, names, args, argv, log):
         emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=points[0]["prompt_source"],
         max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile,
         shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
-
-
-def sweep_table(sweep):
-    """The sweep as markdown: one row per point."""
-    shown = sweep["shown"]
-    fmt = lambda x, f: "–" if x is None else format(x, f)
-    head = [SWEEPS[sweep["sweep"]][1], "acceptance", "ideal", "WFD / ideal", f"{METHODS['ar'][3]} tok/s"]
-    for n in shown[1:]:
-        head += [f"{METHODS[n][3]} {c}" for c in ("tok/s", "speedup", "R-call ratio")]
-    lines = ["| " + " | ".join(head + ["identical"]) + " |", "|" + "---|" * (len(head) + 1)]
-    for j, p in enumerate(sweep["points"]):
-        m, wave = p["methods"], p["methods"]["wfd"]
-        cells = [str(p["x"]), fmt(p["acceptance"], ".3f"), fmt(p["ideal"], ".2f") + "x",
-                 fmt(None if p["ideal"] is None else wave["speedup"] / p["ideal"], ".2f"),
-                 fmt(m["ar"]["tok_s"], ".2f") + ("*" if m["ar"]["measured_at_point"] != j else "")]
-        for n in shown[1:]:
-            cells += [fmt(m[n]["tok_s"], ".2f"), fmt(m[n]["speedup"], ".2f") + "x",
-                      fmt(m[n]["r_call_ratio"], ".2f") + "x"]
-        differ = [f["label"] for f in m.values() if f["identical"] != 1]
-        lines.append("| " + " | ".join(cells + ["NO: " + ", ".join(differ) if differ else "yes"]) + " |")
-    return "\n".join(lines)
-
-
-def print_sweep(sweep):
-    s = sweep
-    print(f"## bench.py --sweep {s['sweep']}: {s['model']}"
-          + (f", emulated acceptance A={s['emulated_acceptance']}" if s["emulated_acceptance"] is not None else ""))
-    threads = "" if s["device"] == "cuda" else f", {s['threads']} CPU thread(s)"
-    print(f"\n- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; "
-          f"{s['dtype']}; {s['clock']} clock\n- `{s['command']}`")
-    print(f"- T={s['T']}{'' if s['sweep'] == 'draft-steps' else ', k=' + str(s['points'][0]['k'])}, DtV draft "
-          f"length {s['draft_len']}; {s['prompts']} prompts ("
-          + ("each point's length" if s["sweep"] == "length" else s["prompt_source"]) + "), "
-          f"up to {s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n")
-    print(f"{sweep_table(s)}\n\n{SWEEP_LEGEND}")
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -419,8 +367,8 @@ def parse_args(argv=None):
                    "0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
     p.add_argument("--plot", metavar="FILE.png", help=f"draw the sweep ({figures.PIXELS[0]}x{figures.PIXELS[1]} "
                    "pixels; needs matplotlib)")
-    p.add_argument("--plot-from", metavar="SWEEP_JSON", help="draw the points of a saved sweep-NAME.json "
-                   "(with --plot), without running anything")
+    p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved sweep-NAME.json and "
+                   "draw it (with --plot), without running anything")
     return p.parse_args(argv)
 
 
@@ -604,13 +552,15 @@ def check_sweep_args(args):
     if args.plot:
         figures.need_matplotlib()
         folder = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(folder):  # found now, not after the sweep
-            raise ValueError(f"--plot {args.plot}: there is no folder {folder}")
+        try:  # fails now, not after the sweep
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"--plot {args.plot}: cannot make the folder {folder} ({err.strerror})") from None
 
 
 def sweep_main(model, model_id, names, args, argv, log):
     sweep = run_sweep(model, model_id, names, args, argv, log)
-    print_sweep(sweep)
+    print(figures.text(sweep))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"sweep-{args.sweep}.json")
@@ -632,7 +582,9 @@ def main(argv=None):
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     check_sweep_args(args)
     if args.plot_from:
-        figures.plot(figures.read_sweep(args.plot_from), args.plot)
+        sweep = figures.read_sweep(args.plot_from)
+        print(figures.text(sweep))
+        figures.plot(sweep, args.plot)
         log(f"figure: {args.plot}")
         return None
     names = [n.strip() for n in args.methods.split(",") if n.strip()] + (["wfd"] if args.sweep else [])

@@ -1,18 +1,75 @@
-"""The figure of a bench.py sweep (`bench.py --sweep NAME --plot FILE.png`, or `--plot-from` a saved
-sweep-NAME.json): each method's measured speedup over AR as markers, the ideal T / (A*k + (1-A)*T) as a
-line, AR at 1, and WFD's R-call ratio as open squares. matplotlib is an optional dependency, imported only to draw."""
+"""A bench.py sweep's table and figure (`bench.py --sweep NAME [--plot FILE.png]`, or `--plot-from` a
+saved sweep-NAME.json). The figure: each method's measured speedup over AR as markers, the ideal
+T / (A*k + (1-A)*T) as a line, AR at 1, and WFD's R-call ratio as open squares. matplotlib is an
+optional dependency, imported only to draw."""
 import json
 import math
 
 PIXELS = (640, 400)  # the PNG's size: small enough to commit, wide enough for the legend
 DPI = 100
 MARKERS = "osD^v<>"
-KEYS = {"sweep", "x_label", "model", "machine", "dtype", "clock", "T", "shown", "points"}
+# a sweep's point: its column in the table, and the figure's x axis
+AXES = {
+    "acceptance": ("A (emulated)", "draft acceptance, measured (accepted / verified drafts)"),
+    "draft-steps": ("k", "draft depth k (recurrences of a draft)"),
+    "length": ("prompt tokens", "prompt length (tokens)"),
+}
+LEGEND = """\
+- the point: the emulated acceptance A, the draft depth k or the prompt length. acceptance:
+  WFD's, measured (accepted / verified drafts); ideal: T / (A*k + (1-A)*T) at that acceptance, the
+  wavefront's speedup if a call cost the same at every width and nothing else took time; WFD / ideal:
+  the share of it WFD reaches.
+- tok/s, speedup: mean over prompts of new tokens / time, prefill included, and that mean over plain
+  AR's, as in bench.py's table. R-call ratio: AR's sequential R calls per token over the method's.
+- AR's runs have no drafts: plain AR and each method's exact reference (AR at the method's width)
+  are measured once and reused at every later point with the same settings (every point of the
+  acceptance sweep; in the draft-steps sweep, the points of the same width; in the length sweep,
+  none); * marks AR's tok/s measured at an earlier point. The references' figures are in the JSON.
+- identical: every method's tokens and logits equal its exact reference's on every prompt."""
+KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command", "date",
+        "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens", "decoding", "shown",
+        "points"}
 
 
 def ideal_speedup(T, k, acceptance):
     """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts to accept."""
     return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
+
+
+def table(sweep):
+    """The sweep as markdown: one row per point."""
+    shown = sweep["shown"]
+    fmt = lambda x, f: "–" if x is None else format(x, f)
+    label = {n: f["label"] for n, f in sweep["points"][0]["methods"].items()}
+    head = [AXES[sweep["sweep"]][0], "acceptance", "ideal", "WFD / ideal", f"{label['ar']} tok/s"]
+    for n in shown[1:]:
+        head += [f"{label[n]} {c}" for c in ("tok/s", "speedup", "R-call ratio")]
+    lines = ["| " + " | ".join(head + ["identical"]) + " |", "|" + "---|" * (len(head) + 1)]
+    for j, p in enumerate(sweep["points"]):
+        m, wave = p["methods"], p["methods"]["wfd"]
+        cells = [str(p["x"]), fmt(p["acceptance"], ".3f"), fmt(p["ideal"], ".2f") + "x",
+                 fmt(None if p["ideal"] is None else wave["speedup"] / p["ideal"], ".2f"),
+                 fmt(m["ar"]["tok_s"], ".2f") + ("*" if m["ar"]["measured_at_point"] != j else "")]
+        for n in shown[1:]:
+            cells += [fmt(m[n]["tok_s"], ".2f"), fmt(m[n]["speedup"], ".2f") + "x",
+                      fmt(m[n]["r_call_ratio"], ".2f") + "x"]
+        differ = [f["label"] for f in m.values() if f["identical"] != 1]
+        lines.append("| " + " | ".join(cells + ["NO: " + ", ".join(differ) if differ else "yes"]) + " |")
+    return "\n".join(lines)
+
+
+def text(sweep):
+    """The sweep as bench.py prints it: a header, the table, the legend (markdown)."""
+    s = sweep
+    emulated = "" if s["emulated_acceptance"] is None else f", emulated acceptance A={s['emulated_acceptance']}"
+    threads = "" if s["device"] == "cuda" else f", {s['threads']} CPU thread(s)"
+    depth = "" if s["sweep"] == "draft-steps" else f", k={s['points'][0]['k']}"
+    prompts = "each point's length" if s["sweep"] == "length" else s["prompt_source"]
+    return (f"## bench.py --sweep {s['sweep']}: {s['model']}{emulated}\n\n"
+            f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; {s['clock']} clock\n"
+            f"- `{s['command']}`\n"
+            f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts ({prompts}), up to "
+            f"{s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n\n{table(s)}\n\n{LEGEND}")
 
 
 def need_matplotlib():
@@ -32,8 +89,8 @@ def read_sweep(path):
     missing = KEYS - set(sweep) if isinstance(sweep, dict) else KEYS
     if missing:
         raise ValueError(f"{path} is not a bench.py sweep file: it has no {', '.join(sorted(missing))}")
-    if not sweep["points"]:
-        raise ValueError(f"{path} holds no points")
+    if sweep["sweep"] not in AXES or not sweep["points"]:
+        raise ValueError(f"{path} holds no points of a sweep of {', '.join(AXES)}")
     return sweep
 
 

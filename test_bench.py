@@ -216,9 +216,11 @@ def test_sweep_acceptance(capsys, tmp_path):
     assert table[1][:3] == ["1.0", "1.000", "4.00x"]
     assert table[1][4] == table[0][4] + "*"  # AR's tok/s, marked as measured at an earlier point
     assert png_size(tmp_path / "a.png") == bench.figures.PIXELS
-    # the saved points draw the same figure again, without a model
+    # the saved points print the same table and draw the figure again, without a model
     out = bench.main(["--plot-from", str(tmp_path / "sweep-acceptance.json"), "--plot", str(tmp_path / "b.png")])
-    assert out is None and png_size(tmp_path / "b.png") == bench.figures.PIXELS
+    again = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ")]
+    assert out is None and again[1:] == table and png_size(tmp_path / "b.png") == bench.figures.PIXELS
 
 
 def test_sweep_draft_steps(capsys, tmp_path):
@@ -250,7 +252,8 @@ def test_sweep_length(capsys, tmp_path):
     (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
     (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"], "give it or --sweep, not both"),
     (["--points", "1,2"], "--points needs --sweep NAME"),
-    (["--sweep", "acceptance", "--plot", "/no/such/folder/x.png"], "there is no folder /no/such/folder"),
+    (["--sweep", "acceptance", "--plot", os.path.join(OURO_A, "config.json", "x.png")],
+     "cannot make the folder"),
     (["--sweep", "acceptance", "--acceptance", "0.5"], "sets --acceptance at each point: give the points with"),
     (["--sweep", "draft-steps", "--draft-steps", "2"], "sets --draft-steps at each point"),
     (["--sweep", "length", "--questions", "q.jsonl"], "not with --questions"),
