@@ -8,11 +8,15 @@ is written in Spec-Bench's answer format.
     python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
     python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
     python bench.py --paper --model ByteDance/Ouro-2.6B --device cuda         # the paper's protocol
+    python bench.py --sweep acceptance --plot acc.png             # a row per point, sweep-acceptance.json
+    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # saved points again
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
 the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs and
-the output still equals AR's. Such results are labelled "emulated".
+the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
+each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
+--plot draws one with matplotlib, an optional dependency (figures.py: the table and the figure).
 """
 import argparse
 import json
@@ -31,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 import chat
+import figures
 import models
 import wfd
 from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, finite,
@@ -225,6 +230,96 @@ def cpu_name():
         return "unknown CPU"
 
 
+# -- sweeps: the paper's figures --------------------------------------------------------------------
+
+# name: (the setting each point sets, a point's type); figures.AXES names them in the table and the
+# figure. The batch sweep waits for batched decoding: every method decodes one sequence.
+SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int), "length": ("prompt_len", int)}
+
+def machine(device):
+    """The GPU's name, or the CPU's model name as lscpu prints it."""
+    return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+
+
+def sweep_points(model, args):
+    """The points of args.sweep: --points, or the defaults (acceptance 0.5..1, k over 1..T, prompt
+    lengths 16..128), each checked before anything runs."""
+    param, kind = SWEEPS[args.sweep]
+    T = model.num_steps if args.steps is None else args.steps
+    if args.points is None:
+        return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128]).get(
+            args.sweep, list(range(1, T + 1)))
+    try:
+        points = [kind(x) for x in args.points.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--points takes comma-separated {kind.__name__}s for --sweep {args.sweep}, not "
+                         f"{args.points!r}") from None
+    low, high = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1)).get(args.sweep, (1, T))
+    bad = [x for x in points if not low <= x <= high]
+    if not points or bad:
+        raise ValueError(f"--points for --sweep {args.sweep} must lie in {low}..{high}, not "
+                         f"{bad[0] if bad else args.points!r}")
+    return points
+
+
+def reuse_key(model, name, args, prompts):
+    """What a run of an AR method depends on (drafting methods: None, their drafts change with every
+    point): its settings, with the width and KV window the draft depth resolves to, and the prompts."""
+    s = settings(name, args)
+    if s["method"] != "ar":
+        return None
+    *_, width, window = wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)
+    s.update(width=width, window=window, draft_steps=None, draft_len=None)
+    return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
+
+
+def fix_capacity(model, args, prompts):
+    if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
+        args.capacity = wfd.compiled_capacity(model, max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1)
+
+
+def run_sweep(model, model_id, names, args, argv, log):
+    """Every point of args.sweep: all methods, AR's runs measured once where the point leaves them
+    alone. Returns the sweep's record (what sweep-NAME.json holds)."""
+    param = SWEEPS[args.sweep][0]
+    T = model.num_steps if args.steps is None else args.steps
+    measured, points = {}, []  # reuse key -> (index of the point that measured it, its results)
+    for j, x in enumerate(sweep_points(model, args)):
+        log(f"--sweep {args.sweep}: point {j + 1}, {param} = {x}")
+        a = argparse.Namespace(**vars(args))
+        setattr(a, param, x)
+        a.warmup = args.warmup if j == 0 or args.compile else 0  # a new width compiles anew; else warm
+        prompts, source = load_prompts(model, model_id, a, log)
+        fix_capacity(model, a, prompts)
+        keys = {n: reuse_key(model, n, a, prompts) for n in names}
+        reused = {n: measured[keys[n]] for n in names if keys[n] in measured}
+        results, _ = run_all(model, prompts, names, a, log, {n: r for n, (_, r) in reused.items()})
+        for n in names:
+            if keys[n] is not None:
+                measured.setdefault(keys[n], (j, results[n]))
+        figs = {n: summarize(results[n]) for n in names}
+        k = wfd.default_draft_steps(model, a.steps) if a.draft_steps is None else a.draft_steps
+        acc = figs["wfd"]["acceptance"]
+        ar = figs["ar"]
+        points.append(finite(dict(
+            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source, acceptance=acc,
+            ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
+                label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"], speedup=f["tok_s"] / ar["tok_s"],
+                decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"], r_calls_per_token=f["r_per_token"],
+                r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
+                tokens_per_round=f["per_round"], kv_mib=f["kv_mib"], identical=f["identical"],
+                measured_at_point=reused.get(n, (j,))[0])) for n, f in figs.items()})))
+    return dict(
+        sweep=args.sweep, x_label=figures.AXES[args.sweep][1],
+        model=model_id, machine=machine(args.device), device=args.device, threads=torch.get_num_threads(),
+        torch=torch.__version__, dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
+        command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
+        date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T, draft_len=args.draft_len,
+        emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=points[0]["prompt_source"],
+        max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile,
+        shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -246,7 +341,8 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="run only the first N prompts of the set")
     p.add_argument("--per-file", type=int, default=1, help="held-out stdlib prompts per file (demo model)")
     p.add_argument("--num-prompts", type=int, default=4, help="random-id prompts, for models without a tokenizer")
-    p.add_argument("--prompt-len", type=int, default=16, help="length of each random-id prompt")
+    p.add_argument("--prompt-len", type=int, help="prompt length in tokens: of each random-id prompt (default 16), "
+                   "or of each held-out stdlib prompt (default 48)")
     p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
@@ -262,7 +358,16 @@ def parse_args(argv=None):
                       compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
                       "is reported apart")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers ('' for none)")
+    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, or a sweep's "
+                   "sweep-NAME.json ('' for none)")
+    p.add_argument("--sweep", choices=list(SWEEPS) + ["batch"], help="run every method at each point of a sweep and "
+                   "print one row per point: emulated acceptance, draft depth k, prompt length")
+    p.add_argument("--points", help="the sweep's points, comma-separated (default: acceptance 0.5,0.7,0.8,0.9,"
+                   "0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
+    p.add_argument("--plot", metavar="FILE.png", help=f"draw the sweep ({figures.PIXELS[0]}x{figures.PIXELS[1]} "
+                   "pixels; needs matplotlib)")
+    p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved sweep-NAME.json and "
+                   "draw it (with --plot), without running anything")
     return p.parse_args(argv)
 
 
@@ -303,10 +408,13 @@ def load_prompts(model, model_id, args, log):
         prompts = specbench_prompts(model, args.questions, cats, args.per_category, fmt == "chat")
         source = f"Spec-Bench, first turns, {'chat template' if fmt == 'chat' else 'raw text'}"
     elif model.tokenizer is None or args.random_weights:
-        prompts = random_prompts(model, args.num_prompts, args.prompt_len, args.seed)
-        source = f"{args.num_prompts} random-id prompts of {args.prompt_len} tokens"
+        length = args.prompt_len or 16
+        prompts = random_prompts(model, args.num_prompts, length, args.seed)
+        source = f"{args.num_prompts} random-id prompts of {length} tokens"
     else:
-        prompts, source = stdlib_prompts(model, args.per_file), "held-out stdlib files, 48 tokens from a def"
+        length = args.prompt_len or 48
+        prompts = stdlib_prompts(model, args.per_file, length)
+        source = f"held-out stdlib files, {length} tokens from a def"
     if args.max_prompt_tokens:  # as the official protocol: right-truncated, and under 2 tokens skipped
         prompts = [dict(p, ids=p["ids"][:args.max_prompt_tokens]) for p in prompts if len(p["ids"]) >= 2]
         source += f", truncated to {args.max_prompt_tokens} tokens"
@@ -319,25 +427,27 @@ def load_prompts(model, model_id, args, log):
     return fits[:args.limit], source
 
 
-def run_all(model, prompts, names, args, log):
-    """Every method on every prompt, each reference before the runs checked against it."""
+def run_all(model, prompts, names, args, log, reuse=None):
+    """Every method on every prompt, each reference before the runs checked against it. reuse: name ->
+    its results on these prompts, measured before (a sweep's AR runs, which its points do not change)."""
+    reuse = reuse or {}
     for name in names:  # bad settings fail here, not after the reference runs
         wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **settings(name, args))
-    compile_s = {}
-    if args.warmup or args.compile:
+    compile_s, fresh = {}, [n for n in names if n not in reuse]
+    if (args.warmup or args.compile) and fresh:
         # one token is the prefill alone, the same for every method: one run touches all the weights.
         # Compiling needs a decoding step of every method: its width's P, R and C calls
         tokens = max(args.warmup, 2) if args.compile else args.warmup
-        warm = names if tokens > 1 else names[:1]
+        warm = fresh if tokens > 1 else fresh[:1]
         log(f"warm-up: {tokens} tokens, {', '.join(warm)}" + (" (compiling)" if args.compile else ""))
         for name in warm:
             t0 = time.perf_counter()
             run(model, prompts[0], name, args, tokens)
             compile_s[name] = time.perf_counter() - t0
-    results = defaultdict(list)  # name -> one result per prompt
-    bar = tqdm(total=len(prompts) * len(names), unit="run", file=sys.stderr, disable=None)  # on a terminal
+    results = defaultdict(list, {n: list(r) for n, r in reuse.items()})  # name -> one result per prompt
+    bar = tqdm(total=len(prompts) * len(fresh), unit="run", file=sys.stderr, disable=None)  # on a terminal
     for i, prompt in enumerate(prompts):
-        for name in names:
+        for name in fresh:
             ref = results[METHODS[name][4]][i] if METHODS[name][4] != name else None
             r = run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"])
             plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
@@ -367,8 +477,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     T = model.num_steps if args.steps is None else args.steps
     k = wfd.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
     emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
-    device = (torch.cuda.get_device_name() if args.device == "cuda"
-              else f"{cpu_name()}, {torch.get_num_threads()} CPU thread(s)")
+    device = machine(args.device) + ("" if args.device == "cuda" else f", {torch.get_num_threads()} CPU thread(s)")
     print(f"## bench.py: {model_id}{emulated}\n")
     print(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {device}; torch {torch.__version__}; "
           f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
@@ -408,7 +517,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
-        ideal = lambda A: T / (A * k + (1 - A) * T)
+        ideal = lambda A: figures.ideal_speedup(T, k, A)
         at_A = f"{ideal(args.acceptance):.2f}x at A={args.acceptance}, " if args.acceptance is not None else ""
         print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {at_A}{ideal(a):.2f}x at the measured {a:.3f}; WFD "
               f"reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding alone: "
@@ -470,6 +579,49 @@ def print_paper(model_id, figs):
         f"{METHODS[n][3]} {x:.2f}x (ours: not run)" for n, x in paper.items()))
 
 
+def check_sweep_args(args):
+    """--sweep, --plot and --plot-from refused where they cannot run, before any work."""
+    if args.sweep == "batch":
+        raise ValueError("--sweep batch waits for batched decoding: every method decodes one sequence for now")
+    if args.plot_from and args.sweep:
+        raise ValueError("--plot-from draws saved points: give it or --sweep, not both")
+    if args.plot_from and not args.plot:
+        raise ValueError("--plot-from needs --plot FILE.png, the figure to write")
+    if args.plot and not (args.sweep or args.plot_from):
+        raise ValueError("--plot draws a sweep: give --sweep NAME, or --plot-from a saved sweep-NAME.json")
+    if args.points and not args.sweep:
+        raise ValueError("--points needs --sweep NAME")
+    param = SWEEPS[args.sweep][0] if args.sweep else None
+    if param and getattr(args, param) is not None:
+        raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: give the points "
+                         "with --points")
+    if args.sweep == "length" and args.questions:
+        raise ValueError("--sweep length sets the prompts' length: not with --questions, whose prompts are "
+                         "the questions")
+    if args.plot:
+        figures.need_matplotlib()
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        try:  # fails now, not after the sweep
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"--plot {args.plot}: cannot make the folder {folder} ({err.strerror})") from None
+
+
+def sweep_main(model, model_id, names, args, argv, log):
+    sweep = run_sweep(model, model_id, names, args, argv, log)
+    print(figures.text(sweep))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"sweep-{args.sweep}.json")
+        with open(path, "w") as f:
+            json.dump(sweep, f, indent=1, allow_nan=False)
+        log(f"points: {path}")
+    if args.plot:
+        figures.plot(sweep, args.plot)
+        log(f"figure: {args.plot}")
+    return sweep
+
+
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
@@ -484,16 +636,24 @@ def main(argv=None):
                    max_prompt_tokens=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
-    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    check_sweep_args(args)
+    if args.plot_from:
+        sweep = figures.read_sweep(args.plot_from)
+        print(figures.text(sweep))
+        figures.plot(sweep, args.plot)
+        log(f"figure: {args.plot}")
+        return None
+    names = [n.strip() for n in args.methods.split(",") if n.strip()] + (["wfd"] if args.sweep else [])
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     # plain AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
+    if args.sweep:
+        return sweep_main(model, model_id, names, args, argv, log)
     prompts, source = load_prompts(model, model_id, args, log)
-    if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
-        args.capacity = wfd.compiled_capacity(model, max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1)
+    fix_capacity(model, args, prompts)
     results, compile_s = run_all(model, prompts, names, args, log)
     figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
     if args.paper:

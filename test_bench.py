@@ -3,6 +3,8 @@ They check the table and the answer files, never timings."""
 import json
 import os
 import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,3 +188,123 @@ def test_paper_protocol(name, kind, tmp_path, capsys):
         assert "WFD 3.54x (ours " in text and "; WFD, shared KV 4.81x (ours " in text
     else:
         assert "The paper reports no Spec-Bench speedup for Ouro-2.6B-Thinking." in text
+
+
+# -- sweeps and their figures -------------------------------------------------------------------------
+
+OURO_A = os.path.join(HERE, "testdata", "ouro_A")
+SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command",
+              "date", "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens",
+              "decoding", "compiled", "shown", "points"}
+POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
+METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token", "r_call_ratio",
+               "acceptance", "tokens_per_round", "kv_mib", "identical", "measured_at_point"}
+
+
+def sweep(capsys, tmp_path, args):
+    """A sweep on the ouro_A golden checkpoint (T = 4, k = 1): one prompt of 4 ids, 8 new tokens."""
+    out, text = run_bench(capsys, ["--model", OURO_A, "--num-prompts", "1", "--max-new-tokens", "8", "--warmup", "0",
+                                   "--out", str(tmp_path)] + args)
+    with open(tmp_path / f"sweep-{out['sweep']}.json") as f:
+        saved = json.load(f)
+    assert saved == out  # strict JSON: what was measured, NaN written as null
+    assert saved.keys() == SWEEP_KEYS
+    assert saved["torch"] == torch.__version__ and saved["dtype"] == "float32" and saved["machine"]
+    assert saved["command"].startswith("python bench.py --model") and f"--sweep {out['sweep']}" in saved["command"]
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(saved["points"])  # the header and a row per point
+    for j, p in enumerate(saved["points"]):
+        assert p.keys() == POINT_KEYS
+        a = p["acceptance"]
+        if a is None:  # no draft verified: k = T, where the wavefront is AR
+            assert p["k"] == 4 and p["ideal"] == 1
+        else:
+            assert p["ideal"] == pytest.approx(4 / (a * p["k"] + (1 - a) * 4))
+        for m in p["methods"].values():
+            assert m.keys() == METHOD_KEYS and m["identical"] == 1
+        assert table[j + 1].startswith(f"| {p['x']} |") and table[j + 1].endswith("| yes |")
+    return saved, [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
+
+
+def png_size(path):
+    image = pytest.importorskip("matplotlib.image", reason="--plot needs matplotlib (requirements.txt)")
+    return image.imread(path).shape[1::-1]
+
+
+def test_sweep_acceptance(capsys, tmp_path):
+    """Every point runs the drafting methods anew; AR's runs, which no draft touches, once."""
+    saved, table = sweep(capsys, tmp_path, ["--sweep", "acceptance", "--points", "0.5,1", "--methods", "dtv,wfd",
+                                           "--prompt-len", "4", "--plot", str(tmp_path / "a.png")])
+    assert saved["shown"] == ["ar", "dtv", "wfd"] and [p["x"] for p in saved["points"]] == [0.5, 1.0]
+    first, last = saved["points"]
+    assert last["acceptance"] == 1 and last["methods"]["dtv"]["acceptance"] == 1
+    for name, m in last["methods"].items():
+        reused = name.startswith("ar")
+        assert m["measured_at_point"] == (0 if reused else 1)
+        assert (m["tok_s"] == first["methods"][name]["tok_s"]) == reused  # AR's figures are the same run's
+    assert table[1][:3] == ["1.0", "1.000", "4.00x"]
+    assert table[1][4] == table[0][4] + "*"  # AR's tok/s, marked as measured at an earlier point
+    assert png_size(tmp_path / "a.png") == bench.figures.PIXELS
+    # the saved points print the same table and draw the figure again, without a model
+    out = bench.main(["--plot-from", str(tmp_path / "sweep-acceptance.json"), "--plot", str(tmp_path / "b.png")])
+    again = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ")]
+    assert out is None and again[1:] == table and png_size(tmp_path / "b.png") == bench.figures.PIXELS
+
+
+def test_sweep_draft_steps(capsys, tmp_path):
+    """k over 1..T: WFD's width ceil(T / k) is 4, 2, 2, 1, so AR at that width (and its shared-KV
+    window) runs at k = 1, 2 and 4, and k = 3 reuses k = 2's run; at k = 4 AR at width 1 is plain AR,
+    whose run from k = 1 serves."""
+    saved, _ = sweep(capsys, tmp_path, ["--sweep", "draft-steps", "--prompt-len", "4", "--methods", "wfd,wfd-shared",
+                                        "--plot", str(tmp_path / "k.png")])
+    points = saved["points"]
+    assert [p["x"] for p in points] == [p["k"] for p in points] == [1, 2, 3, 4]
+    assert [p["methods"]["wfd"]["width"] for p in points] == [4, 2, 2, 1]
+    at = {"ar": [0, 0, 0, 0], "ar-wave": [0, 1, 1, 0], "ar-shared": [0, 1, 1, 3], "wfd": [0, 1, 2, 3]}
+    for name in at:
+        assert [p["methods"][name]["measured_at_point"] for p in points] == at[name]
+    assert png_size(tmp_path / "k.png") == bench.figures.PIXELS
+
+
+def test_sweep_length(capsys, tmp_path):
+    """The prompt length changes AR too: every run is measured at every point."""
+    saved, _ = sweep(capsys, tmp_path, ["--sweep", "length", "--points", "3,9", "--methods", "wfd"])
+    assert [p["prompt_len"] for p in saved["points"]] == [3, 9]
+    assert all(m["measured_at_point"] == j for j, p in enumerate(saved["points"]) for m in p["methods"].values())
+    assert [p["prompt_source"] for p in saved["points"]] == [f"1 random-id prompts of {n} tokens" for n in (3, 9)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sweep", "batch"], "--sweep batch waits for batched decoding"),
+    (["--plot", "x.png"], "--plot draws a sweep: give --sweep NAME"),
+    (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
+    (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"], "give it or --sweep, not both"),
+    (["--points", "1,2"], "--points needs --sweep NAME"),
+    (["--sweep", "acceptance", "--plot", os.path.join(OURO_A, "config.json", "x.png")],
+     "cannot make the folder"),
+    (["--sweep", "acceptance", "--acceptance", "0.5"], "sets --acceptance at each point: give the points with"),
+    (["--sweep", "draft-steps", "--draft-steps", "2"], "sets --draft-steps at each point"),
+    (["--sweep", "length", "--questions", "q.jsonl"], "not with --questions"),
+    (["--model", OURO_A, "--sweep", "draft-steps", "--points", "1,5"], "must lie in 1..4, not 5"),
+    (["--model", OURO_A, "--sweep", "acceptance", "--points", "0.5,high"], "comma-separated floats"),
+    (["--plot-from", os.path.join(HERE, "testdata", "ouro_A", "config.json"), "--plot", "x.png"],
+     "is not a bench.py sweep file"),
+])
+def test_sweep_refusals(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args + ["--out", ""])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_.value.code == 2 and len(errors) == 1 and message in errors[0]  # after the loading log, if any
+
+
+def test_plot_without_matplotlib(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import fails, as where it is not installed
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--sweep", "acceptance", "--plot", "x.png"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
+    # and nothing else imports it: bench.py runs without it
+    done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=HERE)
+    assert done.returncode == 0
