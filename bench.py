@@ -309,8 +309,12 @@ def run_sweep(model, model_id, names, args, argv, log):
                 r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
                 tokens_per_round=f["per_round"], kv_mib=f["kv_mib"], identical=f["identical"],
                 measured_at_point=reused.get(n, (j,))[0])) for n, f in figs.items()})))
+    again = None
+    if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
+        # AR's run served later points: one more run of it shows how far the machine's speed drifted since
+        again = summarize(run_all(model, prompts, ["ar"], a, log)[0]["ar"])["tok_s"]
     return dict(
-        sweep=args.sweep, x_label=figures.AXES[args.sweep][1],
+        sweep=args.sweep, x_label=figures.AXES[args.sweep][1], ar_again_tok_s=again,
         model=model_id, machine=machine(args.device), device=args.device, threads=torch.get_num_threads(),
         torch=torch.__version__, dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),

@@ -69,7 +69,16 @@ def text(sweep):
             f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; {s['clock']} clock\n"
             f"- `{s['command']}`\n"
             f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts ({prompts}), up to "
-            f"{s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n\n{table(s)}\n\n{LEGEND}")
+            f"{s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n\n{table(s)}\n\n{LEGEND}" + drift(s))
+
+
+def drift(sweep):
+    """The line on AR's run measured again after the last point, where earlier points' runs were reused."""
+    again, first = sweep.get("ar_again_tok_s"), sweep["points"][0]["methods"]["ar"]["tok_s"]
+    if again is None:  # AR measured at every point, or a file from before the check
+        return ""
+    return (f"\n\nAR run again after the last point: {again:.2f} tok/s, {again / first:.2f}x its {first:.2f} at the "
+            "first point; the speedups of the points that reuse AR's first runs carry that drift")
 
 
 def need_matplotlib():

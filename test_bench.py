@@ -196,7 +196,7 @@ def test_paper_protocol(name, kind, tmp_path, capsys):
 OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command",
               "date", "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens",
-              "decoding", "compiled", "shown", "points"}
+              "decoding", "compiled", "shown", "points", "ar_again_tok_s"}
 POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
 METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token", "r_call_ratio",
                "acceptance", "tokens_per_round", "kv_mib", "identical", "measured_at_point"}
@@ -245,6 +245,7 @@ def test_sweep_acceptance(capsys, tmp_path):
         assert (m["tok_s"] == first["methods"][name]["tok_s"]) == reused  # AR's figures are the same run's
     assert table[1][:3] == ["1.0", "1.000", "4.00x"]
     assert table[1][4] == table[0][4] + "*"  # AR's tok/s, marked as measured at an earlier point
+    assert saved["ar_again_tok_s"] > 0  # and measured again at the end, to show the drift
     assert png_size(tmp_path / "a.png") == bench.figures.PIXELS
     # the saved points print the same table and draw the figure again, without a model
     out = bench.main(["--plot-from", str(tmp_path / "sweep-acceptance.json"), "--plot", str(tmp_path / "b.png")])
@@ -273,6 +274,7 @@ def test_sweep_length(capsys, tmp_path):
     saved, _ = sweep(capsys, tmp_path, ["--sweep", "length", "--points", "3,9", "--methods", "wfd"])
     assert [p["prompt_len"] for p in saved["points"]] == [3, 9]
     assert all(m["measured_at_point"] == j for j, p in enumerate(saved["points"]) for m in p["methods"].values())
+    assert saved["ar_again_tok_s"] is None  # nothing reused, no drift to show
     assert [p["prompt_source"] for p in saved["points"]] == [f"1 random-id prompts of {n} tokens" for n in (3, 9)]
 
 
