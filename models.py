@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoints import load, load_tokenizer, read_json, save, stop_tokens  # noqa: F401 (the API: models.load, models.save)
+# the checkpoint formats live in checkpoints.py; models.load, models.save and the rest stay the API
+from checkpoints import load, load_tokenizer, read_json, resolve, save, stop_tokens  # noqa: F401
 from kv import causal_attention
 
 # a family is named by config.json's model_type (Hugging Face configs) or, for Parcae's dump of its
