@@ -268,7 +268,7 @@ def reuse_key(model, name, args, prompts):
     s = settings(name, args)
     if s["method"] != "ar":
         return None
-    *_, width, window = wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)
+    width, window = wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)[4:6]
     s.update(width=width, window=window, draft_steps=None, draft_len=None)
     return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
 
