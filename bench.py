@@ -554,6 +554,7 @@ QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sp
 PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2
     "ouro": (4, 1, "ar,wfd"),
     "huginn": (32, 4, "ar,wfd,wfd-shared"),
+    "parcae": (8, 2, "ar,wfd"),
 }
 PAPER_SPEEDUPS = {"ouro-2.6b": {"wfd": 2.42}, "huginn-0125": {"wfd": 3.54, "wfd-shared": 4.81}}  # over AR
 
