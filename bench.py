@@ -38,8 +38,8 @@ import chat
 import figures
 import models
 import wfd
-from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, finite,
-                 one_line_errors, token_match)
+from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, encode_text,
+                 finite, one_line_errors, token_match)
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -92,7 +92,7 @@ def specbench_prompts(model, path, categories, per_category, as_chat):
             taken[cat] += 1
             turn = turn.strip()
             ids, eos = (chat.chat_prompt(model, turn, enable_thinking=True) if as_chat else
-                        (model.tokenizer.encode(turn).ids, default_eos(model)))
+                        (encode_text(model, turn), default_eos(model)))
             prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
     return prompts
 

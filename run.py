@@ -118,10 +118,15 @@ def read_prompt(args, model):
     elif args.chat:
         prompt, eos = chat.chat_prompt(model, args.prompt)
     else:
-        # Parcae's tokenizer adds no special token itself, and its models read text after <|bos|>
-        bos = model.tokenizer.token_to_id("<|bos|>") if model.kind == "parcae" else None
-        prompt, eos = [bos] * (bos is not None) + model.tokenizer.encode(args.prompt).ids, default_eos(model)
+        prompt, eos = encode_text(model, args.prompt), default_eos(model)
     return prompt, eos if args.eos is None else id_list("--eos", args.eos)
+
+
+def encode_text(model, text):
+    """A raw-text prompt's ids. Parcae's tokenizer adds no special token itself, and its models read
+    text after <|bos|>."""
+    bos = model.tokenizer.token_to_id("<|bos|>") if model.kind == "parcae" else None
+    return [bos] * (bos is not None) + model.tokenizer.encode(text).ids
 
 
 class TextStream:
