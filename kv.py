@@ -34,7 +34,7 @@ class KVCache:
         a = model.args
         self.device = device or model.device
         self.n_core, self.num_steps, self.capacity = a.n_core, num_steps or model.num_steps, capacity
-        self.block = BLOCK
+        self.block = min(BLOCK, capacity)  # a small cache is one block, of its own size
         self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
