@@ -273,9 +273,9 @@ def reuse_key(model, name, args, prompts):
     return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
 
 
-def fix_capacity(model, args, prompts):
+def fix_capacity(args, prompts):
     if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
-        args.capacity = wfd.compiled_capacity(model, max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1)
+        args.capacity = max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1
 
 
 def run_sweep(model, model_id, names, args, argv, log):
@@ -290,7 +290,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         setattr(a, param, x)
         a.warmup = args.warmup if j == 0 or args.compile else 0  # a new width compiles anew; else warm
         prompts, source = load_prompts(model, model_id, a, log)
-        fix_capacity(model, a, prompts)
+        fix_capacity(a, prompts)
         keys = {n: reuse_key(model, n, a, prompts) for n in names}
         reused = {n: measured[keys[n]] for n in names if keys[n] in measured}
         results, _ = run_all(model, prompts, names, a, log, {n: r for n, (_, r) in reused.items()})
@@ -353,8 +353,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; "
                    "with --compile at least 2, which it takes to compile)")
     p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
-                   "--compile the most any prompt needs rounded up to a power of two, so that every prompt runs "
-                   "the same compiled graphs); attention reads only the key blocks written")
+                   "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
+                   "attention reads only the key blocks written")
     p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
                    "process's CPU time (steadier on a busy machine; use with --threads 1)")
     add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's and Parcae's s0",
@@ -658,7 +658,7 @@ def main(argv=None):
     if args.sweep:
         return sweep_main(model, model_id, names, args, argv, log)
     prompts, source = load_prompts(model, model_id, args, log)
-    fix_capacity(model, args, prompts)
+    fix_capacity(args, prompts)
     results, compile_s = run_all(model, prompts, names, args, log)
     figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
     if args.paper:

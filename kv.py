@@ -117,7 +117,10 @@ def block_attention(q, k, v, visible, need_lse):
     lse = None
     if need_lse or sums:
         qg = q.to(acc).view(n, k.shape[1], -1, hd) * hd ** -0.5  # [N, Hkv, group, hd]
-        scores = torch.einsum("nkgd,kbd->nkgb" if shared else "nkgd,nkbd->nkgb", qg, (k[0] if shared else k).to(acc))
+        if sums:  # products and sums, not a matmul, which would want the rows' keys copied out first
+            scores = (qg[:, :, :, None] * k[:, :, None].to(acc)).sum(-1)
+        else:
+            scores = torch.einsum("nkgd,kbd->nkgb" if shared else "nkgd,nkbd->nkgb", qg, (k[0] if shared else k).to(acc))
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))  # [N, Hkv, group, B]
         lse = scores.logsumexp(-1, keepdim=True)
     if sums:
