@@ -23,7 +23,7 @@ BLOCK = 256  # keys per attention block: a GPU's split-KV tile, and enough for a
 class Step:
     """What one P / R / C call needs at every layer, built once per call by KVCache.prepare."""
     col: torch.Tensor            # [N] column each row writes: its position, or scratch for idle lanes
-    visible: torch.Tensor        # [N, span * BLOCK] keys each row may read (idle lanes: key 0 only)
+    visible: torch.Tensor        # [N, span * block] keys each row may read (idle lanes: key 0 only)
     span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
