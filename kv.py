@@ -95,13 +95,16 @@ class KVCache:
             slots = step.depth0 * self.n_core + layer
         else:  # rows at different depths (the wavefront): each row reads its own slot
             slots = step.depth * self.n_core + layer  # [N]
-        seq = step.seq
-        if torch.is_tensor(slots) or torch.is_tensor(seq):  # each row its own keys
-            self.k[seq, slots, :, step.col], self.v[seq, slots, :, step.col] = k, v  # k, v [N, Hkv, hd]
-            keys = lambda lo, hi: (self.k[seq, slots, :, lo:hi], self.v[seq, slots, :, lo:hi])
+        # (sequence, slot) as one index into the buffers' first two dimensions: index_select on it
+        # costs half what a two-tensor index does
+        flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
+        at = step.seq * self.k.shape[1] + slots
+        if torch.is_tensor(at):  # each row its own keys
+            flat_k[at, :, step.col], flat_v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
+            keys = lambda lo, hi: (flat_k[:, :, lo:hi].index_select(0, at), flat_v[:, :, lo:hi].index_select(0, at))
         else:  # keys every row shares
-            self.k[seq, slots][:, step.col], self.v[seq, slots][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
-            keys = lambda lo, hi: (self.k[seq, slots, None, :, lo:hi], self.v[seq, slots, None, :, lo:hi])
+            flat_k[at][:, step.col], flat_v[at][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
+            keys = lambda lo, hi: (flat_k[at, None, :, lo:hi], flat_v[at, None, :, lo:hi])
         if step.span == 0:
             return causal_attention(q, k, v)
         return attend_blocks(q, [(*keys(b * self.block, (b + 1) * self.block),

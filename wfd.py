@@ -477,12 +477,12 @@ def prompt_list(prompt_ids):
 def prompt_lists(prompt_ids):
     """(prompts as lists of ints, batched): one prompt (prompt_list) or a list or tuple of them, each
     error naming the prompt's index."""
-    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or all(
-            isinstance(t, numbers.Integral) or torch.is_tensor(t) and t.dim() == 0 for t in prompt_ids):
+    scalar = lambda t: isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0  # an id, or not one
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or all(map(scalar, prompt_ids)):
         return [prompt_list(prompt_ids)], False
     prompts = []
     for i, p in enumerate(prompt_ids):
-        if isinstance(p, numbers.Integral):
+        if scalar(p):
             raise TypeError(f"prompt {i} is a token id among prompts: pass one prompt (a list of ids) or a "
                             "list of prompts, not a mix")
         try:
@@ -640,7 +640,8 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                      r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
                      kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, batch_size=slots,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[seq.index], compiled=compile,
-                     eos_token_ids=sorted(stop))
+                     eos_token_ids=sorted(stop),  # the peak so far, on_finish's generation has it too
+                     peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None)
         generations[seq.index] = Generation(seq.tokens, stats, seq.logits)
         if on_finish:
             on_finish(seq.index, generations[seq.index])
@@ -652,8 +653,4 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                          draft_hook=own(draft_hook, i), on_token=own(on_token, i), trace=trace,
                          keep_logits=keep_logits) for i, p in enumerate(prompts)]
         decode(dec, [seqs[b::slots] for b in range(slots)], schedule, finish)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(model.device)
-    for g in generations:
-        g.stats["peak_memory_bytes"] = peak if cuda else None
     return generations if batched else generations[0]
