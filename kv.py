@@ -5,12 +5,18 @@ keys of earlier positions. Huginn's prelude and coda layers have one slot each. 
 rejected draft needs no copy: the rows are forgotten, their entries lie past every reader's
 position until a new row at that position overwrites them, and reads never look past the reader.
 
+Every buffer holds `batch` sequences side by side (the first dimension), one per slot of batched
+decoding. A decode call of N lanes over B sequences gives each sequence N / B consecutive lanes, and
+each lane reads and writes its own sequence only; a slot's next prompt overwrites the entries it
+reads, and its stale ones lie past its rows like a rejected draft's.
+
 A call reads its keys in blocks of BLOCK columns, each computed with the same shapes whatever the
 call, and only the blocks that some row of the call can see (`span`, from the host's positions), so
 attention costs what the rows read, not the capacity. A row's result depends on its own keys only
 (README, "Exact in every precision"): see `attend_blocks`. Each buffer has one column past its
 blocks, the scratch column: idle lanes of a call (position -1) write there and no block holds it.
 """
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -27,23 +33,30 @@ class Step:
     span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
+    seq: object = 0              # [N] each row's sequence, or an int: all rows in one
 
 
 class KVCache:
-    def __init__(self, model, capacity, num_steps=None, per_depth=True, device=None):
+    def __init__(self, model, capacity, num_steps=None, per_depth=True, device=None, batch=1):
         a = model.args
-        self.device = device or model.device
+        self.device, self.batch = device or model.device, batch
         self.n_core, self.num_steps, self.capacity = a.n_core, num_steps or model.num_steps, capacity
         self.block = min(BLOCK, capacity)  # a small cache is one block, of its own size
         self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
-        shape = (self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, self.scratch + 1, a.head_dim)
+        shape = (batch, self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, self.scratch + 1, a.head_dim)
         self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
     def buffers(self):
         return [t for t in vars(self).values() if torch.is_tensor(t)]
+
+    def slot(self, b):
+        """The cache of the sequence in slot b alone, for its prefill: views, so its writes land here."""
+        view = copy.copy(self)
+        view.__dict__.update({name: t[b:b + 1] for name, t in vars(self).items() if torch.is_tensor(t)}, batch=1)
+        return view
 
     @property
     def nbytes(self):
@@ -66,9 +79,12 @@ class KVCache:
         pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row)."""
         col = torch.where(pos < 0, self.scratch, pos)
         visible = torch.arange(span * self.block, device=pos.device)[None] <= pos.clamp(min=0)[:, None]
+        if len(pos) % self.batch:
+            raise ValueError(f"a call of {len(pos)} lanes cannot split evenly over {self.batch} sequences")
+        seq = 0 if self.batch == 1 else torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
         if torch.is_tensor(depth):
-            return Step(col, visible, span, depth=depth)
-        return Step(col, visible, span, depth0=depth)
+            return Step(col, visible, span, depth=depth, seq=seq)
+        return Step(col, visible, span, depth0=depth, seq=seq)
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values, then attend each row (q [N, H, hd]) to the visible
@@ -79,12 +95,13 @@ class KVCache:
             slots = step.depth0 * self.n_core + layer
         else:  # rows at different depths (the wavefront): each row reads its own slot
             slots = step.depth * self.n_core + layer  # [N]
-        if torch.is_tensor(slots):
-            self.k[slots, :, step.col], self.v[slots, :, step.col] = k, v  # k, v [N, Hkv, hd]
-            keys = lambda lo, hi: (self.k[:, :, lo:hi].index_select(0, slots), self.v[:, :, lo:hi].index_select(0, slots))
-        else:
-            self.k[slots][:, step.col], self.v[slots][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
-            keys = lambda lo, hi: (self.k[slots, None, :, lo:hi], self.v[slots, None, :, lo:hi])
+        seq = step.seq
+        if torch.is_tensor(slots) or torch.is_tensor(seq):  # each row its own keys
+            self.k[seq, slots, :, step.col], self.v[seq, slots, :, step.col] = k, v  # k, v [N, Hkv, hd]
+            keys = lambda lo, hi: (self.k[seq, slots, :, lo:hi], self.v[seq, slots, :, lo:hi])
+        else:  # keys every row shares
+            self.k[seq, slots][:, step.col], self.v[seq, slots][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
+            keys = lambda lo, hi: (self.k[seq, slots, None, :, lo:hi], self.v[seq, slots, None, :, lo:hi])
         if step.span == 0:
             return causal_attention(q, k, v)
         return attend_blocks(q, [(*keys(b * self.block, (b + 1) * self.block),
@@ -154,16 +171,17 @@ def attend_blocks(q, blocks):
     return y.to(q.dtype)
 
 
-def cache_bytes(model, capacity, num_steps, window=None):
+def cache_bytes(model, capacity, num_steps, window=None, batch=1):
     """The bytes make_cache would allocate, from its buffers built on the meta device (generate
     checks them against free memory before allocating)."""
-    return make_cache(model, capacity, num_steps, window, device="meta").nbytes
+    return make_cache(model, capacity, num_steps, window, device="meta", batch=batch).nbytes
 
 
-def make_cache(model, capacity, num_steps, window=None, device=None):
-    """A full per-depth cache, or with a window the shared one (on the model's device by default)."""
-    return (KVCache(model, capacity, num_steps, device=device) if window is None else
-            SharedKVCache(model, capacity, num_steps, window, device))
+def make_cache(model, capacity, num_steps, window=None, device=None, batch=1):
+    """A full per-depth cache, or with a window the shared one (on the model's device by default),
+    for `batch` sequences of `capacity` positions each."""
+    return (KVCache(model, capacity, num_steps, device=device, batch=batch) if window is None else
+            SharedKVCache(model, capacity, num_steps, window, device, batch))
 
 
 class SharedKVCache(KVCache):
@@ -172,13 +190,13 @@ class SharedKVCache(KVCache):
     depth-d KV of positions p - window < q <= p, from a ring of max(window, 2 * window - 2) entries,
     and the final-depth KV of every older position."""
 
-    def __init__(self, model, capacity, num_steps, window, device=None):
-        super().__init__(model, capacity, num_steps, per_depth=False, device=device)  # prelude and coda slots only
+    def __init__(self, model, capacity, num_steps, window, device=None, batch=1):
+        super().__init__(model, capacity, num_steps, per_depth=False, device=device, batch=batch)  # prelude and coda slots only
         a = model.args
         self.window = window
         self.ring = min(max(window, 2 * window - 2), capacity)
-        final = (a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
-        ring = (self.num_steps, a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
+        final = (batch, a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
+        ring = (batch, self.num_steps, a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
         self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
         self.final_v = torch.zeros_like(self.final_k)
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
@@ -187,28 +205,33 @@ class SharedKVCache(KVCache):
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:
             return super().attend(step, layer, q, k, v)
-        ring_k, ring_v = self.ring_k[:, layer], self.ring_v[:, layer]  # [T, Hkv, ring + 1, hd]
+        seq, last_depth = step.seq, self.num_steps - 1
+        ring_k, ring_v = self.ring_k[:, :, layer], self.ring_v[:, :, layer]  # [batch, T, Hkv, ring + 1, hd]
         if step.depth is None:
-            # the prefill: every prompt position at one depth, reading that depth only
+            # the prefill of one sequence: every prompt position at one depth, reading that depth only
             n, d = len(step.col), step.depth0
             last = slice(max(0, n - self.ring), None)  # the ring keeps the latest
-            ring_k[d][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
-            ring_v[d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
-            if d == self.num_steps - 1:
-                self.final_k[layer][:, step.col], self.final_v[layer][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
+            ring_k[seq, d][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
+            ring_v[seq, d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
+            if d == last_depth:
+                self.final_k[seq, layer][:, step.col] = k.transpose(0, 1)
+                self.final_v[seq, layer][:, step.col] = v.transpose(0, 1)
             return causal_attention(q, k, v)
         col, d, idle = step.col, step.depth, step.col == self.scratch
+        at = seq if torch.is_tensor(seq) else torch.zeros_like(col)  # each row's sequence
         # every row writes its ring entry and, at the last depth, its final entry; the rest go to scratch
         ring_col = torch.where(idle, self.ring, col % self.ring)
-        ring_k[d, :, ring_col], ring_v[d, :, ring_col] = k, v
-        final_col = torch.where(d == self.num_steps - 1, col, self.scratch)
-        self.final_k[layer][:, final_col], self.final_v[layer][:, final_col] = k.transpose(0, 1), v.transpose(0, 1)
+        ring_k[at, d, :, ring_col], ring_v[at, d, :, ring_col] = k, v
+        final_col = torch.where(d == last_depth, col, self.scratch)
+        self.final_k[at, layer, :, final_col], self.final_v[at, layer, :, final_col] = k, v
         # first each row's own window (p - window, p] at its depth, from the ring (never empty: it holds
-        # p), then the final-depth blocks, shared by all rows, visible up to p - window
+        # p), then the final-depth blocks, visible up to p - window (shared by all rows of one sequence)
         wpos = col[:, None] + torch.arange(1 - self.window, 1, device=q.device)  # [N, window]
-        window = (ring_k[d[:, None], :, wpos % self.ring].transpose(1, 2),       # [N, Hkv, window, hd]
-                  ring_v[d[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
+        window = (ring_k[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2),    # [N, Hkv, window, hd]
+                  ring_v[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
         visible = torch.arange(step.span * self.block, device=q.device)[None] <= col[:, None] - self.window
-        blocks = [(self.final_k[layer, None, :, lo:lo + self.block], self.final_v[layer, None, :, lo:lo + self.block],
-                   visible[:, lo:lo + self.block]) for lo in range(0, step.span * self.block, self.block)]
+        final = (lambda t, lo: t[seq, layer, :, lo:lo + self.block]) if torch.is_tensor(seq) else \
+                (lambda t, lo: t[seq, layer, None, :, lo:lo + self.block])
+        blocks = [(final(self.final_k, lo), final(self.final_v, lo), visible[:, lo:lo + self.block])
+                  for lo in range(0, step.span * self.block, self.block)]
         return attend_blocks(q, [window] + blocks)

@@ -101,3 +101,21 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     assert ptrs[0] == ptrs[1]
     if DEVICE == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+def test_compiled_batched_wfd_equals_compiled_batched_ar():
+    """Four prompts through two slots, compiled: each prompt's tokens and logits are compiled batched
+    AR's, wrong drafts forced in one prompt; and the prompts as if alone, up to rounding."""
+    model = tiny_model("huginn", 1, torch.bfloat16)
+    prompts, n_new = [[3, 1, 4], [1, 5], [9, 2, 6, 5, 3], [5]], 10
+    width, T = 4, model.num_steps
+
+    def run(method, k, **kw):
+        return wfd.generate(model, prompts, n_new, method=method, draft_steps=k, width=width, batch_size=2,
+                            capacity=16, keep_logits=True, compile=True, **kw)
+
+    ar = run("ar", T)
+    for k in (2, T // 2):
+        outs = run("wfd", k, draft_hook=lambda i, pos, token: token + 1 if i == 1 else token)
+        assert all(same_logits(out, ref) for out, ref in zip(outs, ar)), k
+        assert outs[1].stats["accepted"] == 0 and all(o.stats["compiled"] for o in outs)

@@ -3,13 +3,14 @@
 All three produce AR's tokens, greedy or sampled (`choose`). They differ in how they schedule rows,
 a row being one token position at one depth, through the model's three calls P (start a row), R
 (advance rows by one recurrence) and C (read a token out of a row). See README.md, "The method in the
-code" and "Sampling".
+code", "Batched decoding" and "Sampling".
 """
 import math
 import numbers
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from math import ceil
 from typing import Callable, NamedTuple, Optional
 
@@ -143,35 +144,36 @@ def free_memory(device):
         return None
 
 
-def new_cache(model, capacity, num_steps, window):
+def new_cache(model, capacity, num_steps, window, slots=1):
     """make_cache, refused in one line when the cache does not fit in free memory: a generation
     asking for 90 GiB would otherwise die in the middle of allocating it."""
-    need, free = kv.cache_bytes(model, capacity, num_steps, window), free_memory(model.device)
+    need, free = kv.cache_bytes(model, capacity, num_steps, window, slots), free_memory(model.device)
     if free is not None and need > free:
         low, high = 0, capacity  # the largest capacity that fits: the bytes grow with the capacity
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if kv.cache_bytes(model, mid, num_steps, window) <= free else (low, mid - 1)
-        raise ValueError(f"the KV cache for {capacity} positions needs {need} bytes ({need / 2**30:.2f} GiB), but "
+            low, high = (mid, high) if kv.cache_bytes(model, mid, num_steps, window, slots) <= free else (low, mid - 1)
+        batch = f"{slots} sequences of " if slots > 1 else ""
+        raise ValueError(f"the KV cache for {batch}{capacity} positions needs {need} bytes ({need / 2**30:.2f} GiB), but "
                          f"{model.device} has {free} bytes free: at most {low} positions (prompt + max_new_tokens "
-                         "- 1) fit; ask for fewer new tokens, or use kv='shared' or a smaller dtype")
-    return kv.make_cache(model, capacity, num_steps, window)
+                         "- 1) fit; ask for fewer new tokens{', a smaller batch_size' if slots > 1 else ''}, or use kv='shared' or a smaller dtype")
+    return kv.make_cache(model, capacity, num_steps, window, batch=slots)
 
 
 STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}, the latest last
 KEEP_STATIC_CACHES = 2
 
 
-def static_cache(model, capacity, num_steps, window):
+def static_cache(model, capacity, num_steps, window, slots=1):
     """The KV cache of compiled decoding, kept per model and setting and zeroed for each generation:
     a CUDA graph replays on its buffers' addresses (marked static: the graph writes them). The
     KEEP_STATIC_CACHES latest settings are kept; free_static_caches(model) drops them all."""
-    key = (capacity, num_steps, window, kv.BLOCK, model.device, model.dtype)
+    key = (capacity, num_steps, window, slots, kv.BLOCK, model.device, model.dtype)
     caches = STATIC_CACHES.setdefault(model, {})
     if key not in caches:
         while len(caches) >= KEEP_STATIC_CACHES:
             del caches[next(iter(caches))]
-        caches[key] = new_cache(model, capacity, num_steps, window)
+        caches[key] = new_cache(model, capacity, num_steps, window, slots)
         for t in caches[key].buffers():
             torch._dynamo.mark_static_address(t)
     caches[key] = caches.pop(key)  # the latest last
@@ -190,100 +192,62 @@ def compiled_capacity(model, positions):
     return min(model.args.max_seq_len, max(kv.BLOCK, 1 << (positions - 1).bit_length()))
 
 
-class Decoder:
-    """One generation in flight: the model, its cache, the committed tokens and the counters; every
-    schedule is written in its verbs start / advance / read / commit. After the prefill every R and C
-    call runs `width` lanes (row p in lane p % width, idle lanes at position -1), so a schedule computes
-    AR's bits at the same width, in any dtype (README, "Exact in every precision")."""
+class Advance(NamedTuple):
+    """What a schedule yields for an R call: its rows, each one recurrence deeper after it."""
+    rows: list
 
-    def __init__(self, model, prompt, max_new_tokens, *, num_steps, width, capacity=None, window=None,
-                 stop=frozenset(), draft_hook=None, on_token=None, trace=None, keep_logits=False,
-                 sampling=Sampling(), compile=False):
-        self.model, self.prompt, self.num_steps, self.width = model, prompt, num_steps, width
-        self.compiled, self.sampler = compile, sampling.on(model.device)
-        self.max_new_tokens, self.stop, self.draft_hook = max_new_tokens, stop, draft_hook
-        self.on_token, self.trace = on_token, trace
+
+class Read(NamedTuple):
+    """What a schedule yields for a C call: the rows to read; the yield returns their Readouts."""
+    rows: list
+
+
+class Sequence:
+    """One prompt in flight: its committed tokens, counters and schedule state. A schedule is a
+    generator over one Sequence, written in its verbs start / draft / verify / commit, that yields
+    each call it needs (Advance, Read); the Decoder runs the calls of all its sequences together."""
+
+    def __init__(self, index, prompt, max_new_tokens, num_steps, *, key, stop, batched, draft_hook=None,
+                 on_token=None, trace=None, keep_logits=False):
+        self.index, self.prompt, self.max_new_tokens, self.num_steps = index, prompt, max_new_tokens, num_steps
+        self.key, self.stop, self.batched = key, stop, batched  # key: seed_key of its seed
+        self.draft_hook, self.on_token, self.trace = draft_hook, on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
-        capacity = capacity or (compiled_capacity(model, self.last_pos + 1) if compile else self.last_pos + 1)
-        self.cache = (static_cache if compile else new_cache)(model, capacity, num_steps, window)
-        self.read_call = read_body  # C and the choice of tokens
-        if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
-            room = (self.cache.scratch // self.cache.block).bit_length()
-            self.read_call = model.compiled(read_body, room)
-            for fn in (model.p_body, model.r_body):
-                model.compiled(fn, room)
-        lanes = lambda dim: torch.zeros(width, dim, device=model.device, dtype=model.dtype)
-        self.s = lanes(model.args.dim)  # [width, D]: the rows' states
-        self.e = lanes(model.inject_dim) if model.inject_dim else None  # what P made of each row's token
         self.tokens, self.logits = [], [] if keep_logits else None
-        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0, stop_token=None,
-                          r_seconds=0.0)  # host time in the R calls after the prefill (bench.py, on a CPU)
-
-    def lanes(self, rows):
-        """Lists [width]: each row's position and depth in its lane, -1 and 0 in the idle lanes."""
-        pos, depth = [-1] * self.width, [0] * self.width
-        for r in rows:
-            pos[r.pos % self.width], depth[r.pos % self.width] = r.pos, r.depth
-        return pos, depth
+        self.starting, self.entry = None, None  # the row its next P call starts; its latest trace entry
+        self.stats = dict(index=index, slot=None, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
+                          stop_token=None, r_seconds=0.0)  # host time in its R calls after the prefill (bench.py)
 
     def start(self, pos, token):
-        """P: a new row at depth 0. Every schedule starts one row per call, so P has one shape, one row."""
-        e, s = self.model.P(torch.tensor([token]), torch.tensor([pos]), self.cache, compiled=self.compiled)
-        self.s[pos % self.width] = s[0]
-        if e is not None:
-            self.e[pos % self.width] = e[0]
-        return Row(pos, token)
-
-    def advance(self, rows):
-        """R: one call moves every row one recurrence deeper, each at its own depth. The other lanes
-        keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        pos, depth = map(torch.tensor, self.lanes(rows))
-        t0 = time.perf_counter()
-        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
-        self.stats["r_seconds"] += time.perf_counter() - t0
-        for r in rows:
-            r.depth += 1
-        if self.trace is not None:  # one entry per R call: (position, depth reached) of each row
-            self.trace.append(dict(rows=[(r.pos, r.depth) for r in rows]))
-        self.stats["r_calls"] += 1
-        self.stats["rows"] += len(rows)
-
-    def read(self, rows):
-        """C: each row's logits and the token they choose, in one call and one read to the host."""
-        self.stats["c_calls"] += 1
-        pos = torch.tensor(self.lanes(rows)[0])
-        logits, chosen = self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, self.compiled),
-                                        self.sampler)
-        return self.readouts(logits, chosen, [r.pos % self.width for r in rows])
-
-    def readouts(self, logits, chosen, lanes):
-        tokens, finite = chosen.tolist()  # every lane's, in one transfer
-        return [Readout(tokens[i], logits[i], bool(finite[i])) for i in lanes]
+        """P: a new row at depth 0, computed by the next call (before the R call that advances it)."""
+        assert self.starting is None, "one P row per sequence per call"
+        self.starting = Row(pos, token)
+        return self.starting
 
     def draft(self, row, out: Readout):
         """The token read from `row` at the draft depth: a draft for the next position."""
         self.stats["drafted"] += 1
         token = self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
-        if self.trace is not None:
-            self.trace[-1].update(drafted=row.pos + 1, draft=token)
+        if self.entry is not None:
+            self.entry.update(drafted=row.pos + 1, draft=token)
         return token
 
     def verify(self, row, target: Readout):
         """Is the draft that `row` carries the token of the full-depth logits before it?"""
         ok = row.token == target.token
         self.stats["accepted" if ok else "rejected"] += 1
-        if self.trace is not None:
-            self.trace[-1]["accepted" if ok else "rejected"] = row.pos
+        if self.entry is not None:
+            self.entry["accepted" if ok else "rejected"] = row.pos
         return ok
 
     def commit(self, out: Readout):
         """Append the token of full-depth logits; True when generation is over."""
         if not out.finite:  # argmax would quietly pick token 0
-            raise ValueError(f"the logits for position {len(self.prompt) + len(self.tokens)} are not finite "
-                             "(fp16 overflow or damaged weights)")
+            raise ValueError(f"{f'prompt {self.index}: ' if self.batched else ''}the logits for position "
+                             f"{len(self.prompt) + len(self.tokens)} are not finite (fp16 overflow or damaged weights)")
         self.tokens.append(out.token)
-        if self.logits is not None:  # a copy of the row: a view would keep the read's whole [width, V]
+        if self.logits is not None:  # a copy of the row: a view would keep the read's whole [lanes, V]
             self.logits.append(out.logits.clone())
         if self.on_token:
             self.on_token(out.token)
@@ -292,76 +256,192 @@ class Decoder:
             return True
         return len(self.tokens) >= self.max_new_tokens
 
-    def prefill(self):
-        """The whole prompt at full depth, all KV slots written; commits the first new token."""
-        n = len(self.prompt)
+
+class Decoder:
+    """The calls of `slots` sequences decoded together, and what they share: the model, the KV cache
+    (a sequence per slot) and the lanes. A prompt's prefill is a call of its own; after it every P call
+    runs one row per slot, and every R and C call `slots x width` lanes: slot b's lanes come b-th, its
+    row p in lane p % width, idle lanes at position -1. A row thus meets the same lanes and call shapes
+    in every schedule, so a schedule computes AR's bits at the same batch and width, in any dtype
+    (README, "Exact in every precision"), whoever shares the call."""
+
+    def __init__(self, model, slots, capacity, *, num_steps, width, window=None, sampling=Sampling(), compile=False):
+        self.model, self.slots, self.num_steps, self.width = model, slots, num_steps, width
+        self.compiled, self.sampler = compile, sampling.on(model.device)
+        self.cache = (static_cache if compile else new_cache)(model, capacity, num_steps, window, slots)
+        self.read_call = read_body  # C and the choice of tokens
+        if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
+            room = (self.cache.scratch // self.cache.block).bit_length()
+            self.read_call = model.compiled(read_body, room)
+            for fn in (model.p_body, model.r_body):
+                model.compiled(fn, room)
+        lanes = lambda dim: torch.zeros(slots * width, dim, device=model.device, dtype=model.dtype)
+        self.s = lanes(model.args.dim)  # [slots * width, D]: the rows' states
+        self.e = lanes(model.inject_dim) if model.inject_dim else None  # what P made of each row's token
+        self.keys = torch.zeros(slots * width, dtype=torch.int64, device=model.device)  # each lane's seed key
+
+    def lane(self, seq, row):
+        return seq.stats["slot"] * self.width + row.pos % self.width
+
+    def lanes(self, calls):
+        """Lists [slots * width]: each (sequence, rows) row's position and depth in its lane, -1 and 0
+        in the idle lanes."""
+        pos, depth = [-1] * len(self.s), [0] * len(self.s)
+        for seq, rows in calls:
+            for r in rows:
+                pos[self.lane(seq, r)], depth[self.lane(seq, r)] = r.pos, r.depth
+        return pos, depth
+
+    def prefill(self, seq, slot):
+        """The whole prompt at full depth into its slot's cache, in a call of its own; commits the
+        first new token (True when that ends the sequence)."""
+        seq.stats["slot"], seq.t0 = slot, time.perf_counter()
+        self.keys[slot * self.width:(slot + 1) * self.width] = seq.key
+        n, cache = len(seq.prompt), self.cache.slot(slot)
         pos = torch.arange(n)
-        e, s = self.model.P(torch.tensor(self.prompt), pos, self.cache)
+        e, s = self.model.P(torch.tensor(seq.prompt), pos, cache)
         for d in range(self.num_steps):
-            s = self.model.R(s, e, pos, d, self.cache)
-        self.stats["r_calls"] += self.num_steps
-        self.stats["rows"] += n * self.num_steps
-        self.stats["c_calls"] += 1
-        logits, chosen = read_body(self.model, s, e, *self.model.to_device(pos, None, self.cache), self.sampler,
-                                   rows=[n - 1])
-        return self.commit(self.readouts(logits, chosen, [0])[0])
+            s = self.model.R(s, e, pos, d, cache)
+        seq.stats["r_calls"] += self.num_steps
+        seq.stats["rows"] += n * self.num_steps
+        seq.stats["c_calls"] += 1
+        logits, chosen = read_body(self.model, s, e, *self.model.to_device(pos, None, cache),
+                                   self.sampler._replace(key=self.keys[slot * self.width]), rows=[n - 1])
+        tokens, finite = chosen.tolist()
+        return seq.commit(Readout(tokens[0], logits[0], bool(finite[0])))
+
+    def start(self, seqs):
+        """P: the rows the sequences started, one row per slot (idle slots at position -1)."""
+        ids, pos = [0] * self.slots, [-1] * self.slots
+        for seq in seqs:
+            ids[seq.stats["slot"]], pos[seq.stats["slot"]] = seq.starting.token, seq.starting.pos
+        e, s = self.model.P(torch.tensor(ids), torch.tensor(pos), self.cache, compiled=self.compiled)
+        for seq in seqs:
+            lane, slot = self.lane(seq, seq.starting), seq.stats["slot"]
+            self.s[lane] = s[slot]
+            if e is not None:
+                self.e[lane] = e[slot]
+            seq.starting = None
+
+    def advance(self, calls):
+        """R: one call moves every row of every sequence one recurrence deeper, each at its own depth.
+        The other lanes keep their state (draft-then-verify's rows waiting for the verify pass)."""
+        self.start([seq for seq, _ in calls if seq.starting is not None])
+        pos, depth = map(torch.tensor, self.lanes(calls))
+        t0 = time.perf_counter()
+        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
+        seconds = time.perf_counter() - t0
+        for seq, rows in calls:
+            for r in rows:
+                r.depth += 1
+            if seq.trace is not None:  # one entry per R call: (position, depth reached) of each row
+                seq.entry = dict(rows=[(r.pos, r.depth) for r in rows], **{"index": seq.index} if seq.batched else {})
+                seq.trace.append(seq.entry)
+            seq.stats["r_calls"] += 1
+            seq.stats["rows"] += len(rows)
+            seq.stats["r_seconds"] += seconds
+        return [None] * len(calls)
+
+    def read(self, calls):
+        """C: each row's logits and the token they choose, in one call and one read to the host."""
+        pos = torch.tensor(self.lanes(calls)[0])
+        logits, chosen = self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, self.compiled),
+                                        self.sampler._replace(key=self.keys))
+        tokens, finite = chosen.tolist()  # every lane's, in one transfer
+        outs = []
+        for seq, rows in calls:
+            seq.stats["c_calls"] += 1
+            outs.append([Readout(tokens[i], logits[i], bool(finite[i])) for i in (self.lane(seq, r) for r in rows)])
+        return outs
 
 
-def autoregressive(dec: Decoder):
+def decode(dec: Decoder, queues, schedule, on_finish):
+    """Every sequence through `schedule`, slot b taking queues[b]'s prompts one after another (refill).
+    Each turn runs one R call over the sequences that ask for one, then one C call over those that
+    ask to read; a sequence that finishes frees its slot for the next prompt's prefill at once."""
+    active = {}  # slot -> [sequence, its schedule, the call it waits for]
+
+    def admit(slot):
+        while queues[slot]:
+            seq = queues[slot].pop(0)
+            if dec.prefill(seq, slot):  # done at its first token
+                on_finish(seq)
+            else:
+                active[slot] = [seq, schedule(seq)]
+                active[slot].append(next(active[slot][1]))
+                return
+
+    for slot in range(len(queues)):
+        admit(slot)
+    while active:
+        for kind, call in ((Advance, dec.advance), (Read, dec.read)):
+            waiting = [(slot, entry) for slot, entry in active.items() if isinstance(entry[2], kind)]
+            if not waiting:
+                continue
+            for (slot, entry), out in zip(waiting, call([(entry[0], entry[2].rows) for _, entry in waiting])):
+                try:
+                    entry[2] = entry[1].send(out)
+                except StopIteration:
+                    del active[slot]
+                    on_finish(entry[0])
+                    admit(slot)
+
+
+def autoregressive(seq: Sequence):
     """P, T x R, C per token."""
     while True:
-        row = dec.start(len(dec.prompt) + len(dec.tokens) - 1, dec.tokens[-1])
-        for _ in range(dec.num_steps):
-            dec.advance([row])
-        if dec.commit(dec.read([row])[0]):
+        row = seq.start(len(seq.prompt) + len(seq.tokens) - 1, seq.tokens[-1])
+        for _ in range(seq.num_steps):
+            yield Advance([row])
+        if seq.commit((yield Read([row]))[0]):
             return
 
 
-def wavefront(dec: Decoder, k: int):
+def wavefront(seq: Sequence, k: int):
     """Rows in flight sit on a diagonal over (position, depth). Each tick is one R call over all of
     them and one C call that verifies the oldest row (at depth T) and drafts from the newest (at
     depth k). A draft starts a row at the next position right away, so one token commits every k
     ticks while drafts are accepted; a rejected draft drops every row after it."""
-    T = dec.num_steps
-    rows = [dec.start(len(dec.prompt), dec.tokens[-1])]
+    T = seq.num_steps
+    rows = [seq.start(len(seq.prompt), seq.tokens[-1])]
     while True:
-        dec.advance(rows)
+        yield Advance(rows)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == T
-        drafting = newest.depth == k and not (verifying and newest is oldest) and newest.pos < dec.last_pos
-        out = dec.read([oldest] * verifying + [newest] * drafting) if verifying or drafting else []
+        drafting = newest.depth == k and not (verifying and newest is oldest) and newest.pos < seq.last_pos
+        out = (yield Read([oldest] * verifying + [newest] * drafting)) if verifying or drafting else []
         if verifying:
             target = out[0]
             rows.pop(0)
-            if rows and not dec.verify(rows[0], target):
+            if rows and not seq.verify(rows[0], target):
                 rows, drafting = [], False   # the draft and everything built on it
-            if dec.commit(target):
+            if seq.commit(target):
                 return
             if not rows:
-                rows.append(dec.start(oldest.pos + 1, dec.tokens[-1]))
+                rows.append(seq.start(oldest.pos + 1, seq.tokens[-1]))
         if drafting:
-            rows.append(dec.start(newest.pos + 1, dec.draft(newest, out[-1])))
+            rows.append(seq.start(newest.pos + 1, seq.draft(newest, out[-1])))
 
 
-def draft_then_verify(dec: Decoder, k: int, draft_len: int):
+def draft_then_verify(seq: Sequence, k: int, draft_len: int):
     """Phase-separated rounds: draft up to draft_len tokens one after another from depth k, bring all
     the round's rows from depth k to T together, keep the longest verified prefix plus the
     full-depth token after it (a correction, or a bonus when every draft matched)."""
-    T = dec.num_steps
+    T = seq.num_steps
     while True:
-        rows, token = [], dec.tokens[-1]
+        rows, token = [], seq.tokens[-1]
         while True:
-            rows.append(dec.start(len(dec.prompt) + len(dec.tokens) - 1 + len(rows), token))
+            rows.append(seq.start(len(seq.prompt) + len(seq.tokens) - 1 + len(rows), token))
             for _ in range(k):
-                dec.advance(rows[-1:])
-            if len(rows) > draft_len or rows[-1].pos == dec.last_pos:
+                yield Advance(rows[-1:])
+            if len(rows) > draft_len or rows[-1].pos == seq.last_pos:
                 break
-            token = dec.draft(rows[-1], dec.read(rows[-1:])[0])
+            token = seq.draft(rows[-1], (yield Read(rows[-1:]))[0])
         for _ in range(T - k):
-            dec.advance(rows)
-        for row, nxt, target in zip(rows, rows[1:] + [None], dec.read(rows)):
-            rejected = nxt is not None and not dec.verify(nxt, target)
-            if dec.commit(target):
+            yield Advance(rows)
+        for row, nxt, target in zip(rows, rows[1:] + [None], (yield Read(rows))):
+            rejected = nxt is not None and not seq.verify(nxt, target)
+            if seq.commit(target):
                 return
             if rejected:
                 break
@@ -388,10 +468,28 @@ def prompt_list(prompt_ids):
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"the prompt must be one sequence of token ids (shape [n] or [1, n]), not shape "
-                         f"{list(ids.shape)}: generate decodes one prompt at a time")
+                         f"{list(ids.shape)}: pass several prompts as a list of them, each its own length")
     if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
         raise TypeError(f"prompt token ids must be integers, not {str(ids.dtype).replace('torch.', '')}")
     return ids.tolist()
+
+
+def prompt_lists(prompt_ids):
+    """(prompts as lists of ints, batched): one prompt (prompt_list) or a list or tuple of them, each
+    error naming the prompt's index."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or all(
+            isinstance(t, numbers.Integral) or torch.is_tensor(t) and t.dim() == 0 for t in prompt_ids):
+        return [prompt_list(prompt_ids)], False
+    prompts = []
+    for i, p in enumerate(prompt_ids):
+        if isinstance(p, numbers.Integral):
+            raise TypeError(f"prompt {i} is a token id among prompts: pass one prompt (a list of ids) or a "
+                            "list of prompts, not a mix")
+        try:
+            prompts.append(prompt_list(p))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"prompt {i}: {err}") from None
+    return prompts, True
 
 
 def stop_ids(eos_token_id, vocab_size):
@@ -413,27 +511,31 @@ def stop_ids(eos_token_id, vocab_size):
 
 def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
                draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-               temperature=0.0, top_k=None, top_p=None, seed=0, compile=False):
-    """generate()'s arguments checked and normalized: (prompt as a list of ints, max_new_tokens as an
-    int, T, k, width, window, the stop tokens as a frozenset). run.py calls it too, so that bad input
-    is refused before anything is printed."""
-    prompt = prompt_list(prompt_ids)
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-        raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
+               temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None, compile=False):
+    """generate()'s arguments checked and normalized: (the prompt as a list of ints, or several as a
+    list of them, max_new_tokens as an int, T, k, width, window, the stop tokens as a frozenset).
+    run.py calls it too, so that bad input is refused before anything is printed."""
+    prompts, batched = prompt_lists(prompt_ids)
+    for i, prompt in enumerate(prompts):
+        try:
+            check_prompt(model, prompt, max_new_tokens, capacity)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"prompt {i}: {err}" if batched else str(err)) from None
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed]
+    if seeds is seed and (not batched or len(seeds) != len(prompts)):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts) if batched else 'one'} prompt(s): give one seed, "
+                         "or a list of prompts and one seed each")
+    for s in seeds:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"seed must be an integer >= 0 (or, for several prompts, a list of them), not {s!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1, not {batch_size!r}")
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
         raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
     if kv not in ("full", "shared"):
         raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
     if T < 1:
         raise ValueError(f"num_steps must be at least 1, not {T}")
     if not 1 <= k <= T:
@@ -445,12 +547,6 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
     width = (draft_len + 1 if method == "dtv" else wave) if width is None else width
     if not isinstance(width, int) or width < need:
         raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows per call")
-    if len(prompt) + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's context of {model.args.max_seq_len} positions")
-    if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
-        raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
-                         f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
     if kv == "full" and window is not None:
         raise ValueError("window only applies to kv='shared'")
     if kv == "shared":
@@ -470,56 +566,94 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
         raise ValueError(f"top_p must be None or in (0, 1], not {top_p!r}")
     if temperature == 0 and (top_k is not None or top_p is not None):
         raise ValueError("top_k and top_p need temperature > 0: greedy decoding has nothing to filter")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, not {seed!r}")
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, not {compile!r}")
-    return prompt, max_new_tokens, T, k, width, window, stop_ids(eos_token_id, model.args.vocab_size)
+    return (prompts if batched else prompts[0], int(max_new_tokens), T, k, width, window,
+            stop_ids(eos_token_id, model.args.vocab_size))
+
+
+def check_prompt(model, prompt, max_new_tokens, capacity):
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
+    if len(prompt) + max_new_tokens > model.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {model.args.max_seq_len} positions")
+    if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
+        raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
+                         f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
 
 
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
              draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-             temperature=0.0, top_k=None, top_p=None, seed=0, draft_hook: Callable[[int, int], int] = None,
-             on_token: Callable[[int], None] = None, trace: list = None, keep_logits=False, compile=False):
-    """Greedy or sampled decoding. Returns Generation(tokens, stats, logits).
+             temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None,
+             draft_hook: Callable[..., int] = None, on_token: Callable = None, on_finish: Callable = None,
+             trace: list = None, keep_logits=False, compile=False):
+    """Greedy or sampled decoding of one prompt, returning Generation(tokens, stats, logits), or of a
+    list of prompts, returning a list of them in the prompts' order.
 
     T = num_steps, k = draft_steps (default: default_draft_steps); width: rows per R / C call (README,
-    "Exact in every precision"); capacity: the KV cache's positions, refused when they do not fit in
-    free memory; eos_token_id: a token id or a collection of them, each of which ends the generation
-    (stats["stop_token"] says which did, None when it ran to max_new_tokens); kv="shared" with its window (README,
-    "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed: `choose` (README, "Sampling").
-    draft_hook(pos, token) -> token may replace each draft (tests force wrong drafts with it: the output
-    must not change); on_token(token) is called as each token commits; trace, a list, receives one dict
-    per R call (run.py draws it). compile: the P, R and C calls after the prefill run compiled (README,
-    "Compiled decoding"); the first generation at each width and capacity pays for compiling."""
-    prompt, max_new_tokens, T, k, width, window, stop = check_args(
+    "Exact in every precision"); capacity: the KV cache's positions per sequence, refused when they do
+    not fit in free memory; eos_token_id: a token id or a collection of them, each of which ends the
+    generation (stats["stop_token"] says which did, None when it ran to max_new_tokens); kv="shared"
+    with its window (README, "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed:
+    `choose` (README, "Sampling"). draft_hook(pos, token) -> token may replace each draft (tests force
+    wrong drafts with it: the output must not change); on_token(token) is called as each token commits;
+    trace, a list, receives one dict per R call (run.py draws it). compile: the P, R and C calls after
+    the prefill run compiled (README, "Compiled decoding"); the first generation at each width and
+    capacity pays for compiling.
+
+    Several prompts (README, "Batched decoding"): batch_size slots (default: one per prompt) decode
+    together, prompt i in slot i % batch_size after the prompts before it there; seed may be a list,
+    one per prompt; the callbacks take the prompt's index first: draft_hook(i, pos, token),
+    on_token(i, token), on_finish(i, generation) as each prompt finishes; trace entries carry "index"."""
+    prompts, max_new_tokens, T, k, width, window, stop = check_args(
         model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
         draft_len=draft_len, width=width, capacity=capacity, eos_token_id=eos_token_id, kv=kv, window=window,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, compile=compile)
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)
+    batched = isinstance(prompts[0], list)
+    prompts = prompts if batched else [prompts]
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    slots = min(batch_size or len(prompts), len(prompts))
+    positions = max(map(len, prompts)) + max_new_tokens - 1
+    capacity = capacity or (compiled_capacity(model, positions) if compile else positions)
+    own = (lambda f, i: f and partial(f, i)) if batched else (lambda f, i: f)  # a callback for prompt i
+    schedule = dict(ar=autoregressive, wfd=partial(wavefront, k=k),
+                    dtv=partial(draft_then_verify, k=k, draft_len=draft_len))[method]
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
-    t0 = time.perf_counter()
+    generations = [None] * len(prompts)
+
+    def finish(seq):
+        stats, n = seq.stats, len(seq.tokens)
+        wall = time.perf_counter() - seq.t0
+        verified = stats["accepted"] + stats["rejected"]
+        stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=n,
+                     acceptance=stats["accepted"] / verified if verified else float("nan"),
+                     r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
+                     kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, batch_size=slots,
+                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[seq.index], compiled=compile,
+                     eos_token_ids=sorted(stop))
+        generations[seq.index] = Generation(seq.tokens, stats, seq.logits)
+        if on_finish:
+            on_finish(seq.index, generations[seq.index])
+
     with torch.no_grad():
-        dec = Decoder(model, prompt, max_new_tokens, num_steps=T, width=width, capacity=capacity, window=window,
-                      stop=stop, draft_hook=draft_hook, on_token=on_token, trace=trace,
-                      keep_logits=keep_logits, sampling=Sampling(temperature, top_k, top_p, seed), compile=compile)
-        if not dec.prefill():
-            if method == "ar":
-                autoregressive(dec)
-            elif method == "wfd":
-                wavefront(dec, k)
-            else:
-                draft_then_verify(dec, k, draft_len)
+        dec = Decoder(model, slots, capacity, num_steps=T, width=width, window=window,
+                      sampling=Sampling(temperature, top_k, top_p), compile=compile)
+        seqs = [Sequence(i, p, max_new_tokens, T, key=seed_key(seeds[i]), stop=stop, batched=batched,
+                         draft_hook=own(draft_hook, i), on_token=own(on_token, i), trace=trace,
+                         keep_logits=keep_logits) for i, p in enumerate(prompts)]
+        decode(dec, [seqs[b::slots] for b in range(slots)], schedule, finish)
     if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    stats, n = dec.stats, len(dec.tokens)
-    verified = stats["accepted"] + stats["rejected"]
-    stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=n,
-                 acceptance=stats["accepted"] / verified if verified else float("nan"),
-                 r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
-                 kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, temperature=temperature,
-                 top_k=top_k, top_p=top_p, seed=seed, compiled=compile, eos_token_ids=sorted(stop),
-                 peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None)
-    return Generation(dec.tokens, stats, dec.logits)
+        peak = torch.cuda.max_memory_allocated(model.device)
+    for g in generations:
+        g.stats["peak_memory_bytes"] = peak if cuda else None
+    return generations if batched else generations[0]
