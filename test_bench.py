@@ -137,7 +137,9 @@ def test_gpu_check_smoke():
     done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Bandwidth bound: ") == 3 and done.stdout.count("| WFD | ") == 3
-    assert done.stdout.count("## bench.py --batch-sizes: ") == 2 and done.stdout.count("| 4 | ") == 2
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("## bench.py --batch-sizes: ") for line in lines) == 2
+    assert [sum(line.startswith(f"| {b} | ") and line.endswith("| yes |") for line in lines) for b in (1, 2, 4)] == [2] * 3
     assert "OUTPUT DIFFERS" not in done.stderr
 
 
