@@ -34,7 +34,7 @@ BATCH_LEGEND = """\
   prompts but every new token over that call's time; speedup: over AR's at the same batch. decode
   speedup: the mean over prompts of each sequence's own tokens per second from its first token to
   its last, over AR's. identical: against AR at the method's width and the same batch (the same
-  slots)."""
+  slots). KV MiB: the whole batch's cache, B sequences'."""
 KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command", "date",
         "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens", "decoding", "shown",
         "points"}
