@@ -302,7 +302,7 @@ def decode_file(args, model, method, width, settings):
             raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
     wfd.check_args(model, prompts, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
                    batch_size=args.batch_size, **settings)
-    slots, tok = args.batch_size or len(prompts), model.tokenizer
+    slots, tok = min(args.batch_size or len(prompts), len(prompts)), model.tokenizer  # as generate's
     if args.compile:
         compile_runs(model, prompts[:slots], max(map(len, prompts)), [(method, method, width)], settings, args, slots)
 
