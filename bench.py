@@ -10,6 +10,8 @@ is written in Spec-Bench's answer format.
     python bench.py --paper --model ByteDance/Ouro-2.6B --device cuda         # the paper's protocol
     python bench.py --sweep acceptance --plot acc.png             # a row per point, sweep-acceptance.json
     python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # saved points again
+    python bench.py --batch-size 4                                # every method, 4 sequences at a time
+    python bench.py --random-weights configs/ouro-2.6b.json --acceptance 0.9 --num-prompts 8 --batch-sizes 1,2,4,8
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
@@ -17,6 +19,8 @@ the draft is replaced by AR's token or by a wrong one before it is used, so ever
 the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
 each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
 --plot draws one with matplotlib, an optional dependency (figures.py: the table and the figure).
+--batch-size B decodes the prompt set through B slots in one batched call per method, a finished
+sequence's slot taking the next prompt; --batch-sizes sweeps it.
 """
 import argparse
 import json
@@ -130,38 +134,65 @@ def settings(name, args):
                 seed=args.seed, compile=args.compile)
 
 
-def run(model, prompt, name, args, max_new_tokens, ref=None):
-    """Decode one prompt with one method. With args.acceptance, each draft becomes ref's token with
-    that probability and a wrong token otherwise (ref: the reference run's tokens)."""
+def draft_emulator(model, prompt, name, args, ref):
+    """One prompt's draft hook, and the drafts it let through (position -> the last draft for it, the
+    one its verify compares). With args.acceptance, each draft becomes ref's token with that
+    probability and a wrong token otherwise (ref: the reference run's tokens), from a stream seeded by
+    the prompt and the method: the same draws whether the prompt runs alone or in a batch."""
     offset, vocab = len(prompt["ids"]), model.args.vocab_size
     rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
-    drafts, times = {}, []
+    drafts = {}
 
     def hook(pos, token):
         i = pos - offset
         if args.acceptance is not None and ref is not None and i < len(ref):  # past ref's EOS: never committed
             token = ref[i] if rng.random() < args.acceptance else (ref[i] + rng.randrange(1, vocab)) % vocab
-        drafts[pos] = token  # the last draft for a position is the one its verify compares
+        drafts[pos] = token
         return token
+    return hook, drafts
 
-    clock = CLOCKS[args.clock]
-    start = clock()
-    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"], draft_hook=hook,
-                       on_token=lambda t: times.append(clock()), keep_logits=True, **settings(name, args))
-    end = clock()
-    tokens = out.tokens
+
+def record(out, prompt, drafts, times, time_s):
+    """One prompt's result: its Generation's figures, its rounds and its speeds. times: the clock at
+    each token's commit; time_s: the prompt's time, prefill included."""
+    tokens, offset = out.tokens, len(prompt["ids"])
     # a committed token is an accepted draft iff it equals the last draft for its position; each
     # other token (the prefill's, a correction, a bonus) opens a round
-    accepted = [i > 0 and drafts.get(offset + i) == t for i, t in enumerate(tokens)]
     lengths = []
-    for a in accepted:
-        if a:
+    for i, t in enumerate(tokens):
+        if i > 0 and drafts.get(offset + i) == t:
             lengths[-1] += 1
         else:
             lengths.append(1)
-    decode = (len(tokens) - 1) / (end - times[0]) if len(tokens) > 1 else float("nan")
+    decode = (len(tokens) - 1) / (times[-1] - times[0]) if len(tokens) > 1 else float("nan")
     return dict(tokens=tokens, logits=torch.stack(out.logits).cpu(), stats=out.stats, accept_lengths=lengths,
-                time_s=end - start, tok_s=len(tokens) / (end - start), decode_tok_s=decode)
+                time_s=time_s, tok_s=len(tokens) / time_s, decode_tok_s=decode)
+
+
+def run(model, prompt, name, args, max_new_tokens, ref=None):
+    """Decode one prompt with one method (ref: as draft_emulator's)."""
+    hook, drafts = draft_emulator(model, prompt, name, args, ref)
+    clock, times = CLOCKS[args.clock], []
+    start = clock()
+    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"], draft_hook=hook,
+                       on_token=lambda t: times.append(clock()), keep_logits=True, **settings(name, args))
+    return record(out, prompt, drafts, times, clock() - start)
+
+
+def run_batch(model, prompts, name, args, max_new_tokens, refs=None):
+    """Decode the prompts with one method in one batched call through args.batch_size slots (refs: each
+    prompt's ref, as draft_emulator's). One result per prompt, as run's, timed by the wall clock from
+    its prefill to its last token, and each holding the whole call's time by args.clock (batch_s)."""
+    hooks = [draft_emulator(model, p, name, args, ref) for p, ref in zip(prompts, refs or [None] * len(prompts))]
+    clock, times = CLOCKS[args.clock], [[] for _ in prompts]
+    stop = sorted({t for p in prompts for t in p["eos"] or ()})  # one model, one format: the same for every prompt
+    start = clock()
+    outs = wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop,
+                        batch_size=args.batch_size, draft_hook=lambda i, pos, token: hooks[i][0](pos, token),
+                        on_token=lambda i, token: times[i].append(clock()), keep_logits=True, **settings(name, args))
+    batch_s = clock() - start
+    return [dict(record(out, p, drafts, t, out.stats["wall_s"]), batch_s=batch_s)
+            for out, p, (_, drafts), t in zip(outs, prompts, hooks, times)]
 
 
 # -- tables -----------------------------------------------------------------------------------------
@@ -176,7 +207,9 @@ def summarize(recs):
     st = [r["stats"] for r in recs]
     tokens, accepted = sum(s["tokens"] for s in st), sum(s["accepted"] for s in st)
     verified = accepted + sum(s["rejected"] for s in st)
-    return dict(tok_s=mean([r["tok_s"] for r in recs]), decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
+    # a batch's speed is its throughput: every token over the batched call's time
+    tok_s = tokens / recs[0]["batch_s"] if "batch_s" in recs[0] else mean([r["tok_s"] for r in recs])
+    return dict(tok_s=tok_s, decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
                 per_round=tokens / (tokens - accepted), acceptance=accepted / verified if verified else float("nan"),
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
                 kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
@@ -233,32 +266,35 @@ def cpu_name():
 # -- sweeps: the paper's figures --------------------------------------------------------------------
 
 # name: (the setting each point sets, a point's type); figures.AXES names them in the table and the
-# figure. The batch sweep waits for batched decoding: every method decodes one sequence.
-SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int), "length": ("prompt_len", int)}
+# figure. The batch sweep's points are --batch-sizes.
+SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int), "length": ("prompt_len", int),
+          "batch": ("batch_size", int)}
 
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
     return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
 
 
-def sweep_points(model, args):
-    """The points of args.sweep: --points, or the defaults (acceptance 0.5..1, k over 1..T, prompt
-    lengths 16..128), each checked before anything runs."""
+def sweep_points(model, args, prompts=None):
+    """The points of args.sweep: --points (the batch sweep's: --batch-sizes), or the defaults
+    (acceptance 0.5..1, k over 1..T, prompt lengths 16..128), each checked before anything runs; a
+    batch holds at most the prompts given."""
     param, kind = SWEEPS[args.sweep]
     T = model.num_steps if args.steps is None else args.steps
     if args.points is None:
         return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128]).get(
             args.sweep, list(range(1, T + 1)))
+    flag = "--batch-sizes" if args.sweep == "batch" else f"--points for --sweep {args.sweep}"
     try:
         points = [kind(x) for x in args.points.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--points takes comma-separated {kind.__name__}s for --sweep {args.sweep}, not "
-                         f"{args.points!r}") from None
-    low, high = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1)).get(args.sweep, (1, T))
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, not {args.points!r}") from None
+    bounds = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1), batch=(1, len(prompts or ())))
+    low, high = bounds.get(args.sweep, (1, T))
     bad = [x for x in points if not low <= x <= high]
     if not points or bad:
-        raise ValueError(f"--points for --sweep {args.sweep} must lie in {low}..{high}, not "
-                         f"{bad[0] if bad else args.points!r}")
+        raise ValueError(f"{flag} must lie in {low}..{high}" + (" (the prompts)" if args.sweep == "batch" else "")
+                         + f", not {bad[0] if bad else args.points!r}")
     return points
 
 
@@ -269,7 +305,7 @@ def reuse_key(model, name, args, prompts):
     if s["method"] != "ar":
         return None
     width, window = wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)[4:6]
-    s.update(width=width, window=window, draft_steps=None, draft_len=None)
+    s.update(width=width, window=window, draft_steps=None, draft_len=None, batch_size=args.batch_size)
     return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
 
 
@@ -284,8 +320,10 @@ def run_sweep(model, model_id, names, args, argv, log):
     param = SWEEPS[args.sweep][0]
     T = model.num_steps if args.steps is None else args.steps
     measured, points = {}, []  # reuse key -> (index of the point that measured it, its results)
-    for j, x in enumerate(sweep_points(model, args)):
-        log(f"--sweep {args.sweep}: point {j + 1}, {param} = {x}")
+    # a batch sweep's prompts are the same at every point: no batch may be larger
+    prompts = load_prompts(model, model_id, args, lambda msg: None)[0] if args.sweep == "batch" else None
+    for j, x in enumerate(sweep_points(model, args, prompts)):
+        log(f"{figures.sweep_flag(args.sweep)}: point {j + 1}, {param} = {x}")
         a = argparse.Namespace(**vars(args))
         setattr(a, param, x)
         a.warmup = args.warmup if j == 0 or args.compile else 0  # a new width compiles anew; else warm
@@ -320,7 +358,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T, draft_len=args.draft_len,
         emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=points[0]["prompt_source"],
-        max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile,
+        max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile, batch_size=args.batch_size,
         shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
 
 
@@ -364,8 +402,12 @@ def parse_args(argv=None):
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, or a sweep's "
                    "sweep-NAME.json ('' for none)")
-    p.add_argument("--sweep", choices=list(SWEEPS) + ["batch"], help="run every method at each point of a sweep and "
-                   "print one row per point: emulated acceptance, draft depth k, prompt length")
+    p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, each method in one "
+                   "batched call (a finished sequence's slot takes the next prompt); default: one prompt at a time")
+    p.add_argument("--sweep", choices=[n for n in SWEEPS if n != "batch"], help="run every method at each point of a "
+                   "sweep and print one row per point: emulated acceptance, draft depth k, prompt length")
+    p.add_argument("--batch-sizes", metavar="B1,B2,...", help="the batch sweep: every method at each batch size "
+                   "(on the same prompts), one row per batch size")
     p.add_argument("--points", help="the sweep's points, comma-separated (default: acceptance 0.5,0.7,0.8,0.9,"
                    "0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
     p.add_argument("--plot", metavar="FILE.png", help=f"draw the sweep ({figures.PIXELS[0]}x{figures.PIXELS[1]} "
@@ -431,40 +473,65 @@ def load_prompts(model, model_id, args, log):
     return fits[:args.limit], source
 
 
+def check_batch_size(batch_size, prompts, flag="--batch-size"):
+    if batch_size is not None and batch_size > len(prompts):
+        raise ValueError(f"{flag} {batch_size} is more than the {len(prompts)} prompts: give more prompts "
+                         "(--num-prompts, --limit) or a smaller batch")
+
+
 def run_all(model, prompts, names, args, log, reuse=None):
-    """Every method on every prompt, each reference before the runs checked against it. reuse: name ->
-    its results on these prompts, measured before (a sweep's AR runs, which its points do not change)."""
-    reuse = reuse or {}
+    """Every method on every prompt, each reference before the runs checked against it: prompt after
+    prompt, or with args.batch_size each method over all the prompts in one batched call. reuse: name
+    -> its results on these prompts, measured before (a sweep's AR runs, which its points do not change)."""
+    reuse, batch = reuse or {}, args.batch_size
+    check_batch_size(batch, prompts)
     for name in names:  # bad settings fail here, not after the reference runs
-        wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **settings(name, args))
+        wfd.check_args(model, prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
+                       args.max_new_tokens, batch_size=batch, **settings(name, args))
     compile_s, fresh = {}, [n for n in names if n not in reuse]
     if (args.warmup or args.compile) and fresh:
         # one token is the prefill alone, the same for every method: one run touches all the weights.
-        # Compiling needs a decoding step of every method: its width's P, R and C calls
+        # Compiling needs a decoding step of every method: its width's (and batch's) P, R and C calls
         tokens = max(args.warmup, 2) if args.compile else args.warmup
         warm = fresh if tokens > 1 else fresh[:1]
         log(f"warm-up: {tokens} tokens, {', '.join(warm)}" + (" (compiling)" if args.compile else ""))
         for name in warm:
             t0 = time.perf_counter()
-            run(model, prompts[0], name, args, tokens)
+            if batch is None:
+                run(model, prompts[0], name, args, tokens)
+            else:
+                run_batch(model, prompts[:batch], name, args, tokens)
             compile_s[name] = time.perf_counter() - t0
     results = defaultdict(list, {n: list(r) for n, r in reuse.items()})  # name -> one result per prompt
+    reference = lambda name: results[METHODS[name][4]] if METHODS[name][4] != name else None
     bar = tqdm(total=len(prompts) * len(fresh), unit="run", file=sys.stderr, disable=None)  # on a terminal
-    for i, prompt in enumerate(prompts):
+
+    def add(name, i, r, ref):
+        """r, the result of prompt i, checked against its reference's and logged."""
+        plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
+        r.update(identical=ref is None or r["tokens"] == ref["tokens"] and torch.equal(r["logits"], ref["logits"]),
+                 ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
+        results[name].append(r)
+        st = r["stats"]
+        log(f"[{i + 1}/{len(prompts)} {prompts[i]['category']}] {name:>10}: {st['tokens']} tokens in "
+            f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
+            f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
+            + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
+        bar.update()
+
+    if batch is None:
+        for i, prompt in enumerate(prompts):
+            for name in fresh:
+                ref = reference(name) and reference(name)[i]
+                add(name, i, run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"]), ref)
+    else:
         for name in fresh:
-            ref = results[METHODS[name][4]][i] if METHODS[name][4] != name else None
-            r = run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"])
-            plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
-            r.update(identical=ref is None or r["tokens"] == ref["tokens"] and torch.equal(r["logits"], ref["logits"]),
-                     ar_match=token_match(r["tokens"], plain),
-                     prompt=prompt)
-            results[name].append(r)
-            st = r["stats"]
-            log(f"[{i + 1}/{len(prompts)} {prompt['category']}] {name:>10}: {st['tokens']} tokens in "
-                f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
-                f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
-                + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
-            bar.update()
+            refs = reference(name)
+            recs = run_batch(model, prompts, name, args, args.max_new_tokens, refs and [r["tokens"] for r in refs])
+            for i, r in enumerate(recs):
+                add(name, i, r, refs and refs[i])
+            log(f"[batch {batch}] {name:>10}: {sum(r['stats']['tokens'] for r in recs)} tokens of {len(prompts)} "
+                f"prompts in {recs[0]['batch_s']:.2f} s ({summarize(results[name])['tok_s']:.2f} tok/s)")
     bar.close()
     return results, compile_s
 
@@ -474,6 +541,28 @@ def decoding(args):
         return "greedy"
     filters = "".join(f", {name} {v}" for name, v in (("top-k", args.top_k), ("top-p", args.top_p)) if v is not None)
     return f"sampled at temperature {args.temperature}{filters}, seed {args.seed}"
+
+
+def print_costs(model, T, names, figs, results, args):
+    """What a call costs, one prompt at a time: AR against the bound of reading the weights, the time
+    per R call, and on a CPU the R calls' share of the time."""
+    per_token, bandwidth = weight_bytes_per_token(model, T), memory_bandwidth(model.device)
+    bound = bandwidth / per_token
+    print(f"\nBandwidth bound: {bound:.2f} tok/s ({per_token / 1e9:.3f} GB of weights read per AR token, "
+          f"{bandwidth / 1e9:.1f} GB/s measured by a copy on the device); AR decodes at "
+          f"{figs['ar']['decode_tok_s']:.2f} tok/s, {100 * figs['ar']['decode_tok_s'] / bound:.1f}% of it")
+    per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
+                for n in names}
+    print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
+          + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
+    if model.device.type == "cpu":  # on a GPU a call returns before its work is done
+        def r_time(recs):  # the R calls after the prefill, whose T calls r_calls counts too
+            r_s = sum(r["stats"]["r_seconds"] for r in recs)
+            calls = sum(r["stats"]["r_calls"] - r["stats"]["num_steps"] for r in recs)
+            each = f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill's alone
+            return f"{each}, {100 * r_s / sum(r['stats']['wall_s'] for r in recs):.0f}% of the time"
+        print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P and the schedule): "
+              + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
 
 
 def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv):
@@ -487,38 +576,24 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
           f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
     print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
-          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, batch 1"
+          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, {figures.batch_text(args.batch_size)}"
           + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV capacity "
              f"{args.capacity}" if args.compile else "") + "\n")
     by_cat = defaultdict(list)
     for i, p in enumerate(prompts):
         by_cat[p["category"]].append(i)
-    if len(by_cat) > 1:
+    if len(by_cat) > 1 and args.batch_size is None:  # a batch's time is its call's, not a category's
         for cat, ids in by_cat.items():
             print(f"### {cat} ({len(ids)} prompts)\n\n{table(results, names, ids)[0]}\n")
     text, figs = table(results, names, range(len(prompts)))
-    print(f"### overall ({len(prompts)} prompts{emulated})\n\n{text}\n\n{LEGEND}")
-    per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
-                for n in names}
+    print(f"### overall ({len(prompts)} prompts{emulated})\n\n{text}\n\n{LEGEND}"
+          + ("" if args.batch_size is None else "\n" + figures.BATCH_LEGEND))
     if compile_s:
         print(f"\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
               "finds its graphs)" if args.compile else "") + ": "
               + ", ".join(f"{METHODS[n][3]} {t:.1f} s" for n, t in compile_s.items()))
-    per_token, bandwidth = weight_bytes_per_token(model, T), memory_bandwidth(model.device)
-    bound = bandwidth / per_token
-    print(f"\nBandwidth bound: {bound:.2f} tok/s ({per_token / 1e9:.3f} GB of weights read per AR token, "
-          f"{bandwidth / 1e9:.1f} GB/s measured by a copy on the device); AR decodes at "
-          f"{figs['ar']['decode_tok_s']:.2f} tok/s, {100 * figs['ar']['decode_tok_s'] / bound:.1f}% of it")
-    print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
-          + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
-    if model.device.type == "cpu":  # on a GPU a call returns before its work is done
-        def r_time(recs):  # the R calls after the prefill, whose T calls r_calls counts too
-            r_s = sum(r["stats"]["r_seconds"] for r in recs)
-            calls = sum(r["stats"]["r_calls"] - r["stats"]["num_steps"] for r in recs)
-            each = f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill's alone
-            return f"{each}, {100 * r_s / sum(r['stats']['wall_s'] for r in recs):.0f}% of the time"
-        print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P and the schedule): "
-              + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
+    if args.batch_size is None:
+        print_costs(model, T, names, figs, results, args)
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
         ideal = lambda A: figures.ideal_speedup(T, k, A)
@@ -585,9 +660,14 @@ def print_paper(model_id, figs):
 
 
 def check_sweep_args(args):
-    """--sweep, --plot and --plot-from refused where they cannot run, before any work."""
-    if args.sweep == "batch":
-        raise ValueError("--sweep batch waits for batched decoding: every method decodes one sequence for now")
+    """--sweep, --batch-sizes, --plot and --plot-from refused where they cannot run, before any work;
+    --batch-sizes becomes the sweep "batch" from here on."""
+    if args.batch_sizes is not None:
+        if args.sweep or args.points:
+            raise ValueError("--batch-sizes is a sweep of its own: not with --sweep or --points")
+        if args.batch_size is not None:
+            raise ValueError("--batch-sizes sets --batch-size at each point: give one of the two")
+        args.sweep, args.points = "batch", args.batch_sizes
     if args.plot_from and args.sweep:
         raise ValueError("--plot-from draws saved points: give it or --sweep, not both")
     if args.plot_from and not args.plot:
@@ -638,7 +718,7 @@ def main(argv=None):
         print(f"paper protocol: {shlex.join(protocol)}; then as given: {shlex.join(given)}\n")
     log = lambda msg: tqdm.write(msg, file=sys.stderr)  # above the progress bar, when there is one
     check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0, threads=1,
-                   max_prompt_tokens=1)
+                   max_prompt_tokens=1, batch_size=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     check_sweep_args(args)

@@ -13,22 +13,40 @@ AXES = {
     "acceptance": ("A (emulated)", "draft acceptance, measured (accepted / verified drafts)"),
     "draft-steps": ("k", "draft depth k (recurrences of a draft)"),
     "length": ("prompt tokens", "prompt length (tokens)"),
+    "batch": ("batch", "batch size (sequences decoded together)"),
 }
 LEGEND = """\
-- the point: the emulated acceptance A, the draft depth k or the prompt length. acceptance:
-  WFD's, measured (accepted / verified drafts); ideal: T / (A*k + (1-A)*T) at that acceptance, the
-  wavefront's speedup if a call cost the same at every width and nothing else took time; WFD / ideal:
-  the share of it WFD reaches.
+- the point: the emulated acceptance A, the draft depth k, the prompt length or the batch size.
+  acceptance: WFD's, measured (accepted / verified drafts); ideal: T / (A*k + (1-A)*T) at that
+  acceptance, the wavefront's speedup if a call cost the same at every width and nothing else took
+  time; WFD / ideal: the share of it WFD reaches.
 - tok/s, speedup: mean over prompts of new tokens / time, prefill included, and that mean over plain
   AR's, as in bench.py's table. R-call ratio: AR's sequential R calls per token over the method's.
 - AR's runs have no drafts: plain AR and each method's exact reference (AR at the method's width)
   are measured once and reused at every later point with the same settings (every point of the
-  acceptance sweep; in the draft-steps sweep, the points of the same width; in the length sweep,
-  none); * marks AR's tok/s measured at an earlier point. The references' figures are in the JSON.
+  acceptance sweep; in the draft-steps sweep, the points of the same width; in the length and
+  batch sweeps, none); * marks AR's tok/s measured at an earlier point. The references' figures
+  are in the JSON.
 - identical: every method's tokens and logits equal its exact reference's on every prompt."""
+BATCH_LEGEND = """\
+- batch B: each method decodes all the prompts in one batched call through B slots (B sequences in
+  every call; a finished sequence's slot takes the next prompt). tok/s is then not a mean over
+  prompts but every new token over that call's time; speedup: over AR's at the same batch. decode
+  speedup: the mean over prompts of each sequence's own tokens per second from its first token to
+  its last, over AR's. identical: against AR at the method's width and the same batch (the same
+  slots). KV MiB: the whole batch's cache, B sequences'."""
 KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command", "date",
         "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens", "decoding", "shown",
         "points"}
+
+
+def sweep_flag(name):
+    """The flag that runs the sweep `name`: the batch sweep's points are its own flag's."""
+    return "--batch-sizes" if name == "batch" else f"--sweep {name}"
+
+
+def batch_text(batch_size):
+    return "batch 1" if batch_size is None else f"batch {batch_size} (slots refilled as sequences finish)"
 
 
 def ideal_speedup(T, k, acceptance):
@@ -65,11 +83,14 @@ def text(sweep):
     threads = "" if s["device"] == "cuda" else f", {s['threads']} CPU thread(s)"
     depth = "" if s["sweep"] == "draft-steps" else f", k={s['points'][0]['k']}"
     prompts = "each point's length" if s["sweep"] == "length" else s["prompt_source"]
-    return (f"## bench.py --sweep {s['sweep']}: {s['model']}{emulated}\n\n"
+    # a file from before batched decoding has no batch_size: it ran one prompt at a time
+    batch = "each point's batch" if s["sweep"] == "batch" else batch_text(s.get("batch_size"))
+    return (f"## bench.py {sweep_flag(s['sweep'])}: {s['model']}{emulated}\n\n"
             f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; {s['clock']} clock\n"
             f"- `{s['command']}`\n"
             f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts ({prompts}), up to "
-            f"{s['max_new_tokens']} new tokens, {s['decoding']}, batch 1\n\n{table(s)}\n\n{LEGEND}" + drift(s))
+            f"{s['max_new_tokens']} new tokens, {s['decoding']}, {batch}\n\n{table(s)}\n\n{LEGEND}"
+            + ("" if batch == "batch 1" else "\n" + BATCH_LEGEND) + drift(s))
 
 
 def drift(sweep):
@@ -143,7 +164,7 @@ def plot(sweep, path):
         ax.set_xticks([p["x"] for p in points])
     ax.set_xlabel(sweep["x_label"])
     ax.set_ylabel("speedup over AR (×, ratio of tok/s)")
-    ax.set_title(f"{sweep['model']}, bench.py --sweep {sweep['sweep']}: speedup over AR\n"
+    ax.set_title(f"{sweep['model']}, bench.py {sweep_flag(sweep['sweep'])}: speedup over AR\n"
                  f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
     ax.grid(alpha=0.3)
     low, high = ax.get_ylim()  # room above the points for the legend

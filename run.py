@@ -1,12 +1,16 @@
 """Generate with a looped LM: python run.py --prompt "def fib(n):" [--model FOLDER_OR_HUB_ID] ...
 
-Without --model it runs the small demo model that ships in demo/ (see train_demo.py)."""
+Without --model it runs the small demo model that ships in demo/ (see train_demo.py). Many prompts,
+decoded together: python run.py --prompts-file prompts.txt --batch-size 4 (one prompt per line, or a
+.jsonl file with one {"prompt": TEXT} or {"prompt_ids": [IDS]} per line); each answer prints as its
+prompt finishes."""
 import argparse
 import functools
 import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -76,6 +80,11 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts-file", metavar="FILE", help="many prompts, decoded together: one text per line "
+                     "(blank lines skipped), or a .jsonl file with one object per line holding \"prompt\" (text) "
+                     "or \"prompt_ids\" (token ids)")
+    p.add_argument("--batch-size", type=int, help="with --prompts-file: the sequences decoded together (default: "
+                   "every prompt); a finished sequence's slot takes the next prompt")
     p.add_argument("--method", default="wfd", choices=["wfd", "ar", "dtv", "all"])
     p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, draft-len + 1 "
                    "for dtv); --method ar --width 1 is plain decoding")
@@ -83,13 +92,14 @@ def parse_args(argv=None):
     add_decoding_args(p, seed_help="the run's randomness: the sampling noise and Huginn's and Parcae's random initial state",
                       dtype_help="default: the checkpoint's", compile_help="a short run of each method compiles them")
     p.add_argument("--state-init", default="random", choices=["random", "zero"], help="Huginn's and Parcae's initial state")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt as one user turn in the checkpoint's chat "
-                   "template (tokenizer_config.json; else its family's format) and stop at the end of the turn too")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt (or each text prompt) as one user turn in the "
+                   "checkpoint's chat template (tokenizer_config.json; else its family's format) and stop at the end "
+                   "of the turn too")
     p.add_argument("--eos", help="stop token ids, comma-separated, '' for none (default: generation_config.json's "
                    "eos_token_id, else config.json's, else the tokenizer's <|eos|>; with --chat also the template's "
                    "end-of-turn token)")
     p.add_argument("--json", action="store_true", help="print one JSON object per method (prompt_ids, tokens, text, "
-                   "stats) instead of text")
+                   "stats) instead of text; with --prompts-file one per prompt, with its index")
     p.add_argument("--show-wavefront", action="store_true", help="draw the (position x depth) schedule of the first ticks")
     return p.parse_args(argv)
 
@@ -113,13 +123,61 @@ def read_prompt(args, model):
         raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     if args.prompt_ids is not None:
         prompt, eos = id_list("--prompt-ids", args.prompt_ids), default_eos(model)
-    elif model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of --prompt")
-    elif args.chat:
-        prompt, eos = chat.chat_prompt(model, args.prompt)
     else:
-        prompt, eos = encode_text(model, args.prompt), default_eos(model)
+        prompt, eos = text_prompt(args, model, args.prompt)
     return prompt, eos if args.eos is None else id_list("--eos", args.eos)
+
+
+def text_prompt(args, model, text):
+    """A text's ids, raw or with --chat as one user turn, and the stop ids that go with them."""
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of "
+                         "--prompt (in a prompts file, .jsonl lines with prompt_ids)")
+    return chat.chat_prompt(model, text) if args.chat else (encode_text(model, text), default_eos(model))
+
+
+def file_prompt(args, model, line, jsonl):
+    """One line of --prompts-file: (ids, stop ids)."""
+    if not jsonl:
+        return text_prompt(args, model, line.rstrip("\r\n"))
+    try:
+        obj = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    keys = {"prompt", "prompt_ids"} & set(obj) if isinstance(obj, dict) else set()
+    if len(keys) != 1:
+        raise ValueError('each line must be a JSON object with "prompt" (text) or "prompt_ids" (token ids), '
+                         'one of them')
+    if "prompt" in keys:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise ValueError('"prompt" must be a non-empty string')
+        return text_prompt(args, model, obj["prompt"])
+    ids = obj["prompt_ids"]
+    if args.chat:
+        raise ValueError("--chat formats text prompts: it cannot take prompt_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError('"prompt_ids" must be a list of integers')
+    return ids, default_eos(model)
+
+
+def read_prompts(args, model):
+    """--prompts-file: (line numbers, prompts' ids, stop ids: --eos, else the prompts' own). Lines of a
+    .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
+    lines, prompts, eos = [], [], set()
+    with open(args.prompts_file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids, stop = file_prompt(args, model, line, args.prompts_file.endswith(".jsonl"))
+            except ValueError as err:
+                raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
+            lines.append(n)
+            prompts.append(ids)
+            eos.update(stop or ())  # one model, one format: every prompt brings the same stop ids
+    if not prompts:
+        raise ValueError(f"{args.prompts_file} holds no prompt (blank lines are skipped)")
+    return lines, prompts, sorted(eos) if args.eos is None else id_list("--eos", args.eos)
 
 
 def encode_text(model, text):
@@ -166,7 +224,9 @@ def token_match(tokens, reference):
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
-    peak = "" if stats["peak_memory_bytes"] is None else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB"
+    # a batch's peak is known only once every prompt has finished, after on_finish has printed the earlier ones
+    peak = stats.get("peak_memory_bytes")
+    peak = "" if peak is None else f", peak memory {peak / 2**30:.2f} GiB"
     stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
     return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
             f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
@@ -212,10 +272,65 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
     return "\n".join(out)
 
 
+def text_of(tok, tokens):
+    return tok.decode(tokens) if tok else tokens
+
+
+def json_line(name, prompt, out, tok, **extra):
+    """One generation as strict JSON: the method, extra (a prompts file's index), the prompt's ids, the
+    new tokens, their text and the stats."""
+    return json.dumps(dict(method=name, **extra, prompt_ids=prompt, tokens=out.tokens,
+                           text=text_of(tok, out.tokens) if tok else None, stats=finite(out.stats)), allow_nan=False)
+
+
+def compile_runs(model, warm, longest, runs, settings, args, batch_size=None):
+    """--compile: each run's calls compiled before it is timed, by a 2-token run of `warm` (a prompt, or
+    one batch of prompts) at the same KV capacity, that of the longest prompt."""
+    settings["capacity"] = longest + args.max_new_tokens - 1
+    for _, method, width in runs:
+        wfd.generate(model, warm, min(2, args.max_new_tokens), method=method, width=width, batch_size=batch_size,
+                     **settings)
+
+
+def decode_file(args, model, method, width, settings):
+    """--prompts-file: every prompt through --batch-size slots, each answer printed as its prompt finishes."""
+    lines, prompts, eos = read_prompts(args, model)
+    for n, prompt in zip(lines, prompts):  # a prompt's mistake named by its line, before any output
+        try:
+            wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
+        except ValueError as err:
+            raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
+    wfd.check_args(model, prompts, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
+                   batch_size=args.batch_size, **settings)
+    slots, tok = min(args.batch_size or len(prompts), len(prompts)), model.tokenizer  # as generate's
+    if args.compile:
+        compile_runs(model, prompts[:slots], max(map(len, prompts)), [(method, method, width)], settings, args, slots)
+
+    def finish(i, out):
+        if args.json:
+            print(json_line(method, prompts[i], out, tok, index=i), flush=True)
+        else:
+            print(f"[prompt {i}] {text_of(tok, out.tokens)}")
+            print(stats_line(f"{method}, prompt {i}, slot {out.stats['slot']}", out.stats), flush=True)
+
+    t0 = time.perf_counter()
+    outs = wfd.generate(model, prompts, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
+                        batch_size=args.batch_size, on_finish=finish, **settings)
+    wall, tokens = time.perf_counter() - t0, sum(len(out.tokens) for out in outs)
+    if not args.json:
+        print(f"[{method}] {len(prompts)} prompts through {slots} slots: {tokens} tokens in {wall:.2f} s, "
+              f"{tokens / wall:.1f} tok/s")
+
+
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    check_at_least(args, threads=1)
+    check_at_least(args, threads=1, batch_size=1)
+    if args.batch_size is not None and args.prompts_file is None:
+        raise ValueError("--batch-size needs --prompts-file: one prompt decodes alone")
+    if args.prompts_file is not None and (args.method == "all" or args.show_wavefront):
+        raise ValueError("--prompts-file decodes with one method, without --show-wavefront: for --method all on "
+                         "many prompts use bench.py (--batch-size)")
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
     tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)  # before the weights: it fails quicker
@@ -223,6 +338,11 @@ def main(argv=None):
                         state_init=args.state_init, seed=args.seed)
     model.tokenizer = tokenizer or model.tokenizer
     models.set_threads(model, args.threads)
+    settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len, kv=args.kv,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    compile=args.compile)
+    if args.prompts_file is not None:
+        return decode_file(args, model, args.method, args.width, settings)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
     # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its
     # width, its exact reference
@@ -233,15 +353,10 @@ def main(argv=None):
         runs = runs[:3]
         print("note: skipping dtv, which cannot share KV exactly (its verify pass writes final-depth KV "
               "of positions it may reject)", file=sys.stderr)
-    settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len, kv=args.kv,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                    compile=args.compile)
     for _, method, width in runs:  # every input error out before the first line of output
         wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
-    if args.compile:  # compile each run's calls before it is timed: a 2-token run, at the same KV capacity
-        settings["capacity"] = len(prompt) + args.max_new_tokens - 1
-        for _, method, width in runs:
-            wfd.generate(model, prompt, min(2, args.max_new_tokens), method=method, width=width, **settings)
+    if args.compile:
+        compile_runs(model, prompt, len(prompt), runs, settings, args)
     stream = not args.json and len(runs) == 1 and tok is not None
     results = {}
     for name, method, width in runs:
@@ -252,13 +367,12 @@ def main(argv=None):
         results[name] = out
         stats = out.stats
         if args.json:
-            print(json.dumps(dict(method=name, prompt_ids=prompt, tokens=out.tokens,
-                                  text=tok.decode(out.tokens) if tok else None, stats=finite(stats)), allow_nan=False))
+            print(json_line(name, prompt, out, tok))
             continue
         if text:
             text.show()
         else:
-            print(f"[{method}] {tok.decode(out.tokens) if tok else out.tokens}")
+            print(f"[{method}] {text_of(tok, out.tokens)}")
         print(stats_line(name, stats))
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str

@@ -11,6 +11,7 @@ import torch
 
 import bench
 import models
+import wfd
 from test_chat import CHATML, checkpoint, tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,10 +133,13 @@ def test_compiled(capsys):
 
 def test_gpu_check_smoke():
     """gpu_check.sh, the GPU checks, in its CPU smoke mode: the three configs benchmarked, exact, and
-    AR set against the bandwidth bound."""
+    AR set against the bandwidth bound; the batch sweep of two of them, a row per batch size."""
     done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Bandwidth bound: ") == 3 and done.stdout.count("| WFD | ") == 3
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("## bench.py --batch-sizes: ") for line in lines) == 2
+    assert [sum(line.startswith(f"| {b} | ") and line.endswith("| yes |") for line in lines) for b in (1, 2, 4)] == [2] * 3
     assert "OUTPUT DIFFERS" not in done.stderr
 
 
@@ -195,7 +199,7 @@ def test_paper_protocol(name, kind, tmp_path, capsys):
 OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command",
               "date", "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens",
-              "decoding", "compiled", "shown", "points", "ar_again_tok_s"}
+              "decoding", "compiled", "shown", "points", "ar_again_tok_s", "batch_size"}
 POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
 METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token", "r_call_ratio",
                "acceptance", "tokens_per_round", "kv_mib", "identical", "measured_at_point"}
@@ -210,7 +214,7 @@ def sweep(capsys, tmp_path, args):
     assert saved == out  # strict JSON: what was measured, NaN written as null
     assert saved.keys() == SWEEP_KEYS
     assert saved["torch"] == torch.__version__ and saved["dtype"] == "float32" and saved["machine"]
-    assert saved["command"].startswith("python bench.py --model") and f"--sweep {out['sweep']}" in saved["command"]
+    assert saved["command"].startswith("python bench.py --model") and bench.figures.sweep_flag(out["sweep"]) in saved["command"]
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(saved["points"])  # the header and a row per point
     for j, p in enumerate(saved["points"]):
@@ -278,7 +282,14 @@ def test_sweep_length(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--sweep", "batch"], "--sweep batch waits for batched decoding"),
+    (["--sweep", "batch"], "argument --sweep: invalid choice: 'batch'"),  # its points are --batch-sizes
+    (["--batch-sizes", "1,2", "--sweep", "acceptance"], "--batch-sizes is a sweep of its own"),
+    (["--batch-sizes", "1,2", "--points", "1"], "--batch-sizes is a sweep of its own"),
+    (["--batch-sizes", "1,2", "--batch-size", "2"], "--batch-sizes sets --batch-size at each point"),
+    (["--model", OURO_A, "--num-prompts", "2", "--batch-sizes", "1,4"], "--batch-sizes must lie in 1..2 (the prompts), "
+     "not 4"),
+    (["--model", OURO_A, "--batch-sizes", "1,two"], "--batch-sizes takes comma-separated ints"),
+    (["--model", OURO_A, "--num-prompts", "2", "--batch-size", "3"], "--batch-size 3 is more than the 2 prompts"),
     (["--plot", "x.png"], "--plot draws a sweep: give --sweep NAME"),
     (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
     (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"], "give it or --sweep, not both"),
@@ -310,3 +321,51 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
     # and nothing else imports it: bench.py runs without it
     done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=HERE)
     assert done.returncode == 0
+
+
+# -- batches ------------------------------------------------------------------------------------------
+
+def test_batch_size(capsys):
+    """--batch-size 2 on 3 prompts (one slot refilled): every method identical to AR at its width
+    through the same slots, and in float64 each prompt's tokens its own single-prompt AR's."""
+    out, text = run_bench(capsys, ["--model", OURO_A, "--dtype", "float64", "--num-prompts", "3", "--prompt-len", "5",
+                                   "--max-new-tokens", "8", "--warmup", "2", "--batch-size", "2", "--methods",
+                                   "dtv,wfd", "--out", ""])
+    assert "greedy, batch 2 (slots refilled as sequences finish)" in text and bench.figures.BATCH_LEGEND in text
+    assert "Time per R call" not in text  # a batched call's time is not one prompt's
+    table = rows(text)
+    assert [r[0] for r in table.values()] == [bench.METHODS[n][3] for n in out["names"]]
+    assert all(cells[-2] == "100%" for cells in table.values())
+    model = models.load(OURO_A, dtype=torch.float64)
+    for name in out["names"]:
+        recs = out["results"][name]
+        assert [r["stats"]["slot"] for r in recs] == [0, 1, 0] and all(r["stats"]["batch_size"] == 2 for r in recs)
+        tokens = sum(r["stats"]["tokens"] for r in recs)
+        assert out["figs"][name]["tok_s"] == pytest.approx(tokens / recs[0]["batch_s"])  # the batch's throughput
+        for r in recs:
+            assert r["tokens"] == wfd.generate(model, r["prompt"]["ids"], 8, method="ar", width=1).tokens
+
+
+def test_batch_emulated_acceptance_per_prompt(capsys):
+    """The emulated drafts of each prompt come from that prompt's reference: at A = 1 every verified
+    draft of every prompt is accepted, at A = 0 none (ouro_A's own drafts are all rejected)."""
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    for a in ("1.0", "0.0"):
+        out, text = run_bench(capsys, ["--random-weights", config, "--acceptance", a, "--methods", "wfd",
+                                       "--num-prompts", "3", "--prompt-len", "4", "--max-new-tokens", "10",
+                                       "--warmup", "0", "--batch-size", "2", "--out", ""])
+        assert all(r["stats"]["acceptance"] == float(a) for r in out["results"]["wfd"])
+        assert all(cells[-2] == "100%" for cells in rows(text).values())
+
+
+def test_sweep_batch(capsys, tmp_path):
+    """--batch-sizes: the same prompts at every batch size, every run measured anew (a batch changes
+    AR's calls too), one row per batch size."""
+    saved, table = sweep(capsys, tmp_path, ["--batch-sizes", "1,3", "--num-prompts", "3", "--prompt-len", "4",
+                                           "--methods", "wfd", "--plot", str(tmp_path / "b.png")])
+    assert saved["sweep"] == "batch" and [p["x"] for p in saved["points"]] == [1, 3]
+    assert all(m["measured_at_point"] == j for j, p in enumerate(saved["points"]) for m in p["methods"].values())
+    assert saved["prompts"] == 3 and [row[0] for row in table] == ["1", "3"]
+    assert png_size(tmp_path / "b.png") == bench.figures.PIXELS
+    text = bench.figures.text(saved)
+    assert "greedy, each point's batch" in text and bench.figures.BATCH_LEGEND in text

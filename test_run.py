@@ -59,6 +59,30 @@ def damaged(tmp_path_factory):
     return folders
 
 
+PROMPT_FILES = {  # name: content, each with one mistake (a line's named by its number)
+    "not-json.jsonl": '{"prompt": "x"}\nnot json\n',
+    "no-prompt.jsonl": '{"prompt": "x"}\n\n{"text": "y"}\n',
+    "both.jsonl": '{"prompt": "x", "prompt_ids": [1]}\n',
+    "list.jsonl": "[1, 2]\n",
+    "empty-text.jsonl": '{"prompt": ""}\n',
+    "bad-ids.jsonl": '{"prompt_ids": [1, "a"]}\n',
+    "empty-ids.jsonl": '{"prompt_ids": [1]}\n{"prompt_ids": []}\n',
+    "vocab.jsonl": '{"prompt_ids": [1, 2048]}\n',
+    "ids.jsonl": '{"prompt_ids": [1, 2]}\n',
+    "long.txt": "x = 1\n\n" + "y " * 300 + "\n",
+    "blank.txt": "\n  \n\n",
+    "two.txt": "a\nb\n",
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prompts")
+    for name, content in PROMPT_FILES.items():
+        (folder / name).write_text(content)
+    return {name: str(folder / name) for name in PROMPT_FILES}
+
+
 CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt", ""], "the prompt is empty"),
     (run, ["--prompt-ids", "a,b"], "--prompt-ids takes comma-separated integers"),
@@ -86,7 +110,25 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt", "x", "--model", "header"], r"model\.safetensors is not a readable safetensors file"),
     (run, ["--prompt", "x", "--model", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
     (run, ["--prompt", "x", "--model", "nan"], r"tensor '[\w.]+' in .*model\.safetensors holds NaN or inf"),
+    (run, ["--prompts-file", "not-json.jsonl"], r"not-json\.jsonl line 2: not JSON"),
+    (run, ["--prompts-file", "no-prompt.jsonl"], r"line 3: each line must be a JSON object with \"prompt\""),
+    (run, ["--prompts-file", "both.jsonl"], r"line 1: each line must be a JSON object with \"prompt\""),
+    (run, ["--prompts-file", "list.jsonl"], r"line 1: each line must be a JSON object"),
+    (run, ["--prompts-file", "empty-text.jsonl"], r"line 1: \"prompt\" must be a non-empty string"),
+    (run, ["--prompts-file", "bad-ids.jsonl"], r"line 1: \"prompt_ids\" must be a list of integers"),
+    (run, ["--prompts-file", "empty-ids.jsonl"], r"empty-ids\.jsonl line 2: the prompt is empty"),
+    (run, ["--prompts-file", "vocab.jsonl"], r"line 1: prompt token 2048 is outside the vocabulary"),
+    (run, ["--prompts-file", "long.txt"], r"long\.txt line 3: prompt \(\d+ tokens\) \+ max_new_tokens"),
+    (run, ["--prompts-file", "blank.txt"], r"blank\.txt holds no prompt"),
+    (run, ["--prompts-file", "no_such.txt"], "No such file or directory: 'no_such.txt'"),
+    (run, ["--prompts-file", "two.txt", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (run, ["--prompt", "x", "--batch-size", "2"], "--batch-size needs --prompts-file"),
+    (run, ["--prompts-file", "two.txt", "--prompt", "x"], "argument --prompt: not allowed with argument --prompts-file"),
+    (run, ["--prompts-file", "two.txt", "--method", "all"], "for --method all on many prompts use bench.py"),
+    (run, ["--prompts-file", "ids.jsonl", "--chat"], "line 1: --chat formats text prompts"),
+    (run, ["--prompts-file", "two.txt", "--model", OURO_A], r"line 1: .* has no tokenizer\.json"),
     (bench, ["--limit", "0"], "--limit must be at least 1"),
+    (bench, ["--batch-size", "0"], "--batch-size must be at least 1"),
     (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
     (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
     (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
@@ -97,11 +139,11 @@ CASES = [  # (script, arguments, what the one line says)
 
 
 @pytest.mark.parametrize("script,argv,message", CASES, ids=[" ".join(c[1])[:40] for c in CASES])
-def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, capsys, monkeypatch):
+def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prompt_files, capsys, monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach out from a test
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = [damaged.get(a, a) for a in argv]
+    argv = [damaged.get(a, prompt_files.get(a, a)) for a in argv]
     with pytest.raises(SystemExit) as exit:
         script.main(argv + (["--out", ""] if script is bench else []))
     out, err = capsys.readouterr()
@@ -182,3 +224,62 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
     out = strict(capsys.readouterr().out)
     want = wfd.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens
     assert out["tokens"] == want and want[-1] == eos and len(want) < 30
+
+
+# -- many prompts: --prompts-file ------------------------------------------------------------------------
+
+LINES = ["def f(x):", "import os", "class A:"]
+
+
+def test_a_prompts_file(tmp_path, capsys):
+    """Text lines (a blank one skipped) through 2 slots: one JSON object per prompt, in float64 each
+    with its own single-prompt AR's tokens; the text output prints each answer with its index."""
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{LINES[0]}\n\n{LINES[1]}\n{LINES[2]}\n")
+    argv = ["--prompts-file", str(path), "--batch-size", "2", "--max-new-tokens", "6", "--dtype", "float64"]
+    run.main(argv + ["--json"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    demo = models.load(run.DEMO, dtype=torch.float64)
+    assert [o["index"] for o in out] == [0, 1, 2]
+    for o, line in zip(out, LINES):
+        ids = demo.tokenizer.encode(line).ids
+        assert o["prompt_ids"] == ids and o["method"] == "wfd"
+        assert o["tokens"] == wfd.generate(demo, ids, 6, method="ar", width=1).tokens
+        assert o["text"] == demo.tokenizer.decode(o["tokens"])
+        assert o["stats"]["index"] == o["index"] and o["stats"]["batch_size"] == 2
+        assert o["stats"]["slot"] == o["index"] % 2
+    run.main(argv)
+    text = capsys.readouterr().out
+    for o in out:
+        i = o["index"]
+        assert f"[prompt {i}] {o['text']}\n[wfd, prompt {i}, slot {i % 2}] 6 tokens," in text
+    assert text.endswith("\n") and "[wfd] 3 prompts through 2 slots: 18 tokens in " in text.splitlines()[-1]
+
+
+def test_a_jsonl_prompts_file(tmp_path, capsys):
+    """JSONL: token ids for a model without a tokenizer, all prompts in one batch by default."""
+    path = tmp_path / "prompts.jsonl"
+    prompts = [[0, 5, 9], [3], [7, 7, 7, 7, 1]]
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    run.main(["--model", OURO_A, "--prompts-file", str(path), "--max-new-tokens", "5", "--dtype", "float64",
+              "--method", "ar", "--json"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    model = models.load(OURO_A, dtype=torch.float64)
+    assert [o["prompt_ids"] for o in out] == prompts and all(o["text"] is None for o in out)
+    for o, p in zip(out, prompts):
+        assert o["tokens"] == wfd.generate(model, p, 5, method="ar", width=1).tokens
+        assert o["stats"]["batch_size"] == 3 and o["stats"]["slot"] == o["index"]
+
+
+def test_chat_formats_each_prompt(tmp_path, capsys):
+    """--chat with a prompts file: each text line as its own user turn, stopping at the end of a turn."""
+    from test_chat import CHATML, checkpoint
+    folder = checkpoint(tmp_path, "ouro", tokenizer_config={"chat_template": CHATML})
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "hi there"}) + "\n" + json.dumps({"prompt": "line\nbreak"}) + "\n")
+    run.main(["--model", folder, "--prompts-file", str(path), "--chat", "--max-new-tokens", "3", "--json"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    model = models.load(folder)
+    for o, text in zip(out, ["hi there", "line\nbreak"]):
+        ids, stop = run.chat.chat_prompt(model, text)
+        assert o["prompt_ids"] == ids and o["stats"]["eos_token_ids"] == sorted(stop)
