@@ -33,7 +33,7 @@ class Step:
     span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
-    seq: object = 0              # [N] each row's sequence, or an int: all rows in one
+    seq: torch.Tensor = None     # [N] each row's sequence, or None: all rows in the first
 
 
 class KVCache:
@@ -81,7 +81,7 @@ class KVCache:
         visible = torch.arange(span * self.block, device=pos.device)[None] <= pos.clamp(min=0)[:, None]
         if len(pos) % self.batch:
             raise ValueError(f"a call of {len(pos)} lanes cannot split evenly over {self.batch} sequences")
-        seq = 0 if self.batch == 1 else torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
+        seq = None if self.batch == 1 else torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
         if torch.is_tensor(depth):
             return Step(col, visible, span, depth=depth, seq=seq)
         return Step(col, visible, span, depth0=depth, seq=seq)
@@ -98,7 +98,7 @@ class KVCache:
         # (sequence, slot) as one index into the buffers' first two dimensions: index_select on it
         # costs half what a two-tensor index does
         flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
-        at = step.seq * self.k.shape[1] + slots
+        at = slots if step.seq is None else step.seq * self.k.shape[1] + slots
         if torch.is_tensor(at):  # each row its own keys
             flat_k[at, :, step.col], flat_v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
             keys = lambda lo, hi: (flat_k[:, :, lo:hi].index_select(0, at), flat_v[:, :, lo:hi].index_select(0, at))
@@ -208,7 +208,7 @@ class SharedKVCache(KVCache):
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:
             return super().attend(step, layer, q, k, v)
-        seq, last_depth = step.seq, self.num_steps - 1
+        seq, last_depth = 0 if step.seq is None else step.seq, self.num_steps - 1
         ring_k, ring_v = self.ring_k[:, :, layer], self.ring_v[:, :, layer]  # [batch, T, Hkv, ring + 1, hd]
         if step.depth is None:
             # the prefill of one sequence: every prompt position at one depth, reading that depth only
