@@ -208,20 +208,21 @@ class SharedKVCache(KVCache):
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:
             return super().attend(step, layer, q, k, v)
-        seq, last_depth = 0 if step.seq is None else step.seq, self.num_steps - 1
+        last_depth = self.num_steps - 1
         ring_k, ring_v = self.ring_k[:, :, layer], self.ring_v[:, :, layer]  # [batch, T, Hkv, ring + 1, hd]
         if step.depth is None:
-            # the prefill of one sequence: every prompt position at one depth, reading that depth only
+            # the prefill of one sequence (a slot's view: sequence 0): every prompt position at one
+            # depth, reading that depth only
             n, d = len(step.col), step.depth0
             last = slice(max(0, n - self.ring), None)  # the ring keeps the latest
-            ring_k[seq, d][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
-            ring_v[seq, d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
+            ring_k[0, d][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
+            ring_v[0, d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
             if d == last_depth:
-                self.final_k[seq, layer][:, step.col] = k.transpose(0, 1)
-                self.final_v[seq, layer][:, step.col] = v.transpose(0, 1)
+                self.final_k[0, layer][:, step.col] = k.transpose(0, 1)
+                self.final_v[0, layer][:, step.col] = v.transpose(0, 1)
             return causal_attention(q, k, v)
         col, d, idle = step.col, step.depth, step.col == self.scratch
-        at = seq if torch.is_tensor(seq) else torch.zeros_like(col)  # each row's sequence
+        at = torch.zeros_like(col) if step.seq is None else step.seq  # each row's sequence
         # every row writes its ring entry and, at the last depth, its final entry; the rest go to scratch
         ring_col = torch.where(idle, self.ring, col % self.ring)
         ring_k[at, d, :, ring_col], ring_v[at, d, :, ring_col] = k, v
@@ -233,8 +234,8 @@ class SharedKVCache(KVCache):
         window = (ring_k[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2),    # [N, Hkv, window, hd]
                   ring_v[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
         visible = torch.arange(step.span * self.block, device=q.device)[None] <= col[:, None] - self.window
-        final = (lambda t, lo: t[seq, layer, :, lo:lo + self.block]) if torch.is_tensor(seq) else \
-                (lambda t, lo: t[seq, layer, None, :, lo:lo + self.block])
+        final = (lambda t, lo: t[0, layer, None, :, lo:lo + self.block]) if step.seq is None else \
+                (lambda t, lo: t[step.seq, layer, :, lo:lo + self.block])
         blocks = [(final(self.final_k, lo), final(self.final_v, lo), visible[:, lo:lo + self.block])
                   for lo in range(0, step.span * self.block, self.block)]
         return attend_blocks(q, [window] + blocks)

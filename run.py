@@ -224,9 +224,7 @@ def token_match(tokens, reference):
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
-    # a batch's peak is known only once every prompt has finished, after on_finish has printed the earlier ones
-    peak = stats.get("peak_memory_bytes")
-    peak = "" if peak is None else f", peak memory {peak / 2**30:.2f} GiB"
+    peak = "" if stats["peak_memory_bytes"] is None else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB"
     stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
     return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
             f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "

@@ -124,6 +124,12 @@ class Readout:
     finite: bool             # no NaN or inf among them
 
 
+def readouts(logits, chosen):
+    """A read's logits [n, V] and choices [2, n] as n Readouts, the choices in one transfer."""
+    tokens, finite = chosen.tolist()
+    return [Readout(t, row, bool(f)) for t, row, f in zip(tokens, logits, finite)]
+
+
 @dataclass
 class Generation:
     tokens: list             # new tokens, the one from the prefill first, EOS included when hit
@@ -216,7 +222,8 @@ class Sequence:
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], [] if keep_logits else None
         self.starting, self.entry = None, None  # the row its next P call starts; its latest trace entry
-        self.stats = dict(index=index, slot=None, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
+        self.slot, self.t0 = None, None  # set by its prefill
+        self.stats = dict(index=index, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
                           stop_token=None, r_seconds=0.0)  # host time in its R calls after the prefill (bench.py)
 
     def start(self, pos, token):
@@ -281,7 +288,7 @@ class Decoder:
         self.keys = torch.zeros(slots * width, dtype=torch.int64, device=model.device)  # each lane's seed key
 
     def lane(self, seq, row):
-        return seq.stats["slot"] * self.width + row.pos % self.width
+        return seq.slot * self.width + row.pos % self.width
 
     def lanes(self, calls):
         """Lists [slots * width]: each (sequence, rows) row's position and depth in its lane, -1 and 0
@@ -295,7 +302,7 @@ class Decoder:
     def prefill(self, seq, slot):
         """The whole prompt at full depth into its slot's cache, in a call of its own; commits the
         first new token (True when that ends the sequence)."""
-        seq.stats["slot"], seq.t0 = slot, time.perf_counter()
+        seq.slot, seq.t0 = slot, time.perf_counter()
         self.keys[slot * self.width:(slot + 1) * self.width] = seq.key
         n, cache = len(seq.prompt), self.cache.slot(slot)
         pos = torch.arange(n)
@@ -307,26 +314,27 @@ class Decoder:
         seq.stats["c_calls"] += 1
         logits, chosen = read_body(self.model, s, e, *self.model.to_device(pos, None, cache),
                                    self.sampler._replace(key=self.keys[slot * self.width]), rows=[n - 1])
-        tokens, finite = chosen.tolist()
-        return seq.commit(Readout(tokens[0], logits[0], bool(finite[0])))
+        return seq.commit(readouts(logits, chosen)[0])
 
     def start(self, seqs):
         """P: the rows the sequences started, one row per slot (idle slots at position -1)."""
         ids, pos = [0] * self.slots, [-1] * self.slots
         for seq in seqs:
-            ids[seq.stats["slot"]], pos[seq.stats["slot"]] = seq.starting.token, seq.starting.pos
+            ids[seq.slot], pos[seq.slot] = seq.starting.token, seq.starting.pos
         e, s = self.model.P(torch.tensor(ids), torch.tensor(pos), self.cache, compiled=self.compiled)
         for seq in seqs:
-            lane, slot = self.lane(seq, seq.starting), seq.stats["slot"]
-            self.s[lane] = s[slot]
+            lane = self.lane(seq, seq.starting)
+            self.s[lane] = s[seq.slot]
             if e is not None:
-                self.e[lane] = e[slot]
+                self.e[lane] = e[seq.slot]
             seq.starting = None
 
     def advance(self, calls):
         """R: one call moves every row of every sequence one recurrence deeper, each at its own depth.
         The other lanes keep their state (draft-then-verify's rows waiting for the verify pass)."""
-        self.start([seq for seq, _ in calls if seq.starting is not None])
+        starting = [seq for seq, _ in calls if seq.starting is not None]
+        if starting:  # most ticks start no row: no P call then
+            self.start(starting)
         pos, depth = map(torch.tensor, self.lanes(calls))
         t0 = time.perf_counter()
         self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
@@ -347,12 +355,10 @@ class Decoder:
         pos = torch.tensor(self.lanes(calls)[0])
         logits, chosen = self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, self.compiled),
                                         self.sampler._replace(key=self.keys))
-        tokens, finite = chosen.tolist()  # every lane's, in one transfer
-        outs = []
-        for seq, rows in calls:
+        out = readouts(logits, chosen)
+        for seq, _ in calls:
             seq.stats["c_calls"] += 1
-            outs.append([Readout(tokens[i], logits[i], bool(finite[i])) for i in (self.lane(seq, r) for r in rows)])
-        return outs
+        return [[out[self.lane(seq, r)] for r in rows] for seq, rows in calls]
 
 
 def decode(dec: Decoder, queues, schedule, on_finish):
@@ -521,10 +527,11 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
             check_prompt(model, prompt, max_new_tokens, capacity)
         except (TypeError, ValueError) as err:
             raise type(err)(f"prompt {i}: {err}" if batched else str(err)) from None
-    seeds = seed if isinstance(seed, (list, tuple)) else [seed]
-    if seeds is seed and (not batched or len(seeds) != len(prompts)):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts) if batched else 'one'} prompt(s): give one seed, "
+    several = isinstance(seed, (list, tuple))
+    if several and (not batched or len(seed) != len(prompts)):
+        raise ValueError(f"{len(seed)} seeds for {len(prompts) if batched else 'one'} prompt(s): give one seed, "
                          "or a list of prompts and one seed each")
+    seeds = seed if several else [seed]
     for s in seeds:
         if not isinstance(s, int) or isinstance(s, bool) or s < 0:
             raise ValueError(f"seed must be an integer >= 0 (or, for several prompts, a list of them), not {s!r}")
@@ -638,7 +645,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
         stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=n,
                      acceptance=stats["accepted"] / verified if verified else float("nan"),
                      r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
-                     kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, batch_size=slots,
+                     slot=seq.slot, kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, batch_size=slots,
                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[seq.index], compiled=compile,
                      eos_token_ids=sorted(stop),  # the peak so far, on_finish's generation has it too
                      peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None)
