@@ -29,8 +29,11 @@ BLOCK = 256  # keys per attention block: a GPU's split-KV tile, and enough for a
 class Step:
     """What one P / R / C call needs at every layer, built once per call by KVCache.prepare."""
     col: torch.Tensor            # [N] column each row writes: its position, or scratch for idle lanes
-    visible: torch.Tensor        # [N, span * block] keys each row may read (idle lanes: key 0 only)
     span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
+    flat: tuple = ()             # the buffers (k, v) with (sequence, slot) as one dimension
+    blocks: list = ()            # per key block the call reads: (k, v, visible [N, block])
+    first: object = 0            # each row's sequence's first slot in `flat`: 0, or [N]
+    at_depth: object = None      # each row's first looped slot at its depth in `flat`: an int, or [N]
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
     seq: torch.Tensor = None     # [N] each row's sequence, or None: all rows in the first
@@ -66,49 +69,55 @@ class KVCache:
         """On the host, before a call (pos: int64 [N], -1 for idle lanes; no device sync): the key
         blocks its rows can see, or 0 for the prefill (the only call holding position 0). bucket: rounded
         up to a power of two, so that compiled decoding makes one graph per power, not per block."""
-        top = int(pos.max())
+        pos = pos.tolist()  # one read, not one per element
+        top = max(pos)
         if top >= self.capacity:
             raise IndexError(f"position {top} is past the KV cache's capacity of {self.capacity} positions")
-        if int(pos[0]) == 0:
+        if pos[0] == 0:
             return 0
         n = top // self.block + 1
         return min(1 << (n - 1).bit_length(), self.scratch // self.block) if bucket else n
 
     def prepare(self, pos, depth, span):
         """Once per call, on the device: device work only, so that a compiled call takes it in.
-        pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row)."""
-        col = torch.where(pos < 0, self.scratch, pos)
-        visible = torch.arange(span * self.block, device=pos.device)[None] <= pos.clamp(min=0)[:, None]
+        pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row).
+        The views and indices every layer reads are made here, once, not at every layer."""
         if len(pos) % self.batch:
             raise ValueError(f"a call of {len(pos)} lanes cannot split evenly over {self.batch} sequences")
-        seq = None if self.batch == 1 else torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
-        if torch.is_tensor(depth):
-            return Step(col, visible, span, depth=depth, seq=seq)
-        return Step(col, visible, span, depth0=depth, seq=seq)
+        col = torch.where(pos < 0, self.scratch, pos)
+        flat = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
+        blocks = []
+        if span:  # idle lanes (col: scratch) see every key: finite, and dropped
+            visible = torch.arange(span * self.block, device=pos.device)[None] <= col[:, None]
+            blocks = [(flat[0].narrow(2, lo, self.block), flat[1].narrow(2, lo, self.block), vis)
+                      for lo, vis in zip(range(0, span * self.block, self.block),
+                                         visible.split(self.block, 1) if span > 1 else [visible])]
+        per_row = torch.is_tensor(depth)
+        step = Step(col, span, flat, blocks, at_depth=None if depth is None else depth * self.n_core,
+                    depth=depth if per_row else None, depth0=None if per_row else depth)
+        if self.batch > 1:  # lane i's sequence: i // (lanes per sequence); its slots begin at seq * slots
+            step.seq = torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
+            step.first = step.seq * self.k.shape[1]
+            step.at_depth = None if depth is None else step.at_depth + step.first
+        return step
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values, then attend each row (q [N, H, hd]) to the visible
-        keys of its slot."""
-        if layer >= self.n_core:  # prelude and coda: one slot for every row
-            slots = self.depth_slots + layer - self.n_core
-        elif step.depth is None:
-            slots = step.depth0 * self.n_core + layer
-        else:  # rows at different depths (the wavefront): each row reads its own slot
-            slots = step.depth * self.n_core + layer  # [N]
-        # (sequence, slot) as one index into the buffers' first two dimensions: index_select on it
-        # costs half what a two-tensor index does
-        flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
-        at = slots if step.seq is None else step.seq * self.k.shape[1] + slots
-        if torch.is_tensor(at):  # each row its own keys
+        keys of its sequence's slot for this layer at the row's depth."""
+        if layer < self.n_core:
+            at = step.at_depth + layer
+        else:  # prelude and coda: one slot for every depth
+            at = step.first + self.depth_slots + layer - self.n_core
+        flat_k, flat_v = step.flat
+        if torch.is_tensor(at):  # each row its own keys: one index_select over (sequence, slot)
             flat_k[at, :, step.col], flat_v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
-            keys = lambda lo, hi: (flat_k[:, :, lo:hi].index_select(0, at), flat_v[:, :, lo:hi].index_select(0, at))
+            keys = lambda t: t.index_select(0, at)
         else:  # keys every row shares
             flat_k[at][:, step.col], flat_v[at][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
-            keys = lambda lo, hi: (flat_k[at, None, :, lo:hi], flat_v[at, None, :, lo:hi])
+            keys = lambda t: t[at:at + 1]
         if step.span == 0:
             return causal_attention(q, k, v)
-        return attend_blocks(q, [(*keys(b * self.block, (b + 1) * self.block),
-                                  step.visible[:, b * self.block:(b + 1) * self.block]) for b in range(step.span)])
+        return attend_blocks(q, [(keys(bk), keys(bv), visible) for bk, bv, visible in step.blocks])
 
 
 def causal_attention(q, k, v):
@@ -129,13 +138,14 @@ def block_attention(q, k, v, visible, need_lse):
     (keys all rows share), visible [N, B]. Returns the output [N, H, hd], normalized within the block,
     and with need_lse its log-sum-exp [N, H] in at least float32 (-inf where the row sees nothing)."""
     n, heads, hd = q.shape
-    shared, acc = k.shape[0] == 1 and n > 1, wide(q.dtype)
+    shared = k.shape[0] == 1 and n > 1
     # compiled, each row's own keys: the sums written out, which inductor fuses into one loop that
     # reads each row's slot where it lies; eager, SDPA over the gathered block costs less (README,
     # "Compiled decoding")
     sums = torch.compiler.is_compiling() and not shared
     lse = None
     if need_lse or sums:
+        acc = wide(q.dtype)
         qg = q.to(acc).view(n, k.shape[1], -1, hd) * hd ** -0.5  # [N, Hkv, group, hd]
         if sums:  # products and sums, not a matmul, which would want the rows' keys copied out first
             scores = (qg[:, :, :, None] * k[:, :, None].to(acc)).sum(-1)

@@ -18,6 +18,7 @@ sys.path.insert(0, ROOT)
 import json
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 from torch._dynamo.utils import compilation_time_metrics
@@ -26,6 +27,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import kv
 import models
 import wfd
+
+
+@dataclass
+class FlexStep(kv.Step):
+    mask: BlockMask = None  # which key blocks each lane reads, in which depth's batch
 
 
 class FlexKVCache(kv.KVCache):
@@ -38,7 +44,7 @@ class FlexKVCache(kv.KVCache):
         super().__init__(model, capacity, num_steps)
         # a buffer per layer in place of kv's one (allocated, then dropped): compiled on a CPU, flex_attention reads a view of the
         # cache from its storage's start, ignoring the view's offset (torch 2.13; layers 1.. read layer 0)
-        shape = (self.num_steps, *self.k.shape[1:])
+        shape = (self.num_steps, *self.k.shape[2:])  # one sequence: [T, Hkv, scratch + 1, hd]
         self.keys, self.values = ([self.k.new_zeros(shape) for _ in range(self.n_core)] for _ in range(2))
         del self.k, self.v
 
@@ -53,7 +59,7 @@ class FlexKVCache(kv.KVCache):
             return super().prepare(pos, depth, span)
         depth = depth if torch.is_tensor(depth) else torch.full_like(pos, depth)
         col = torch.where(pos < 0, self.scratch, pos)
-        return kv.Step(col, self.block_mask(pos, depth), span, depth=depth)
+        return FlexStep(col, span, depth=depth, mask=self.block_mask(pos, depth))
 
     def block_mask(self, pos, depth):
         b, n, blocks, cols = self.block, len(pos), self.scratch // self.block, self.scratch
@@ -77,14 +83,14 @@ class FlexKVCache(kv.KVCache):
         keys[step.depth, :, step.col], values[step.depth, :, step.col] = k, v
         # the queries copied: a view of q fails in inductor's CPU template ("not enough values to unpack")
         qs = q.transpose(0, 1)[None].expand(self.num_steps, -1, -1, -1).contiguous()  # [T, H, N, hd]
-        y = flex_attention(qs, keys[:, :, :self.scratch], values[:, :, :self.scratch], block_mask=step.visible,
+        y = flex_attention(qs, keys[:, :, :self.scratch], values[:, :, :self.scratch], block_mask=step.mask,
                            enable_gqa=True)  # [T, H, N, hd]
         return y[step.depth, :, torch.arange(len(q), device=q.device)]  # each lane from its depth: [N, H, hd]
 
 
-def flex_cache(model, capacity, num_steps, window):
-    if window is not None or model.args.n_prelude or model.args.n_coda:
-        raise ValueError("the flex variant has Ouro's full per-depth cache only")
+def flex_cache(model, capacity, num_steps, window, batch=1):
+    if window is not None or model.args.n_prelude or model.args.n_coda or batch > 1:
+        raise ValueError("the flex variant has Ouro's full per-depth cache of one sequence only")
     return FlexKVCache(model, capacity, num_steps)
 
 
