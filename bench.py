@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 import chat
+import checks
 import figures
 import models
 import wfd
@@ -304,7 +305,7 @@ def reuse_key(model, name, args, prompts):
     s = settings(name, args)
     if s["method"] != "ar":
         return None
-    width, window = wfd.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)[4:6]
+    width, window = checks.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)[4:6]
     s.update(width=width, window=window, draft_steps=None, draft_len=None, batch_size=args.batch_size)
     return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
 
@@ -336,7 +337,7 @@ def run_sweep(model, model_id, names, args, argv, log):
             if keys[n] is not None:
                 measured.setdefault(keys[n], (j, results[n]))
         figs = {n: summarize(results[n]) for n in names}
-        k = wfd.default_draft_steps(model, a.steps) if a.draft_steps is None else a.draft_steps
+        k = checks.default_draft_steps(model, a.steps) if a.draft_steps is None else a.draft_steps
         acc = figs["wfd"]["acceptance"]
         ar = figs["ar"]
         points.append(finite(dict(
@@ -486,7 +487,7 @@ def run_all(model, prompts, names, args, log, reuse=None):
     reuse, batch = reuse or {}, args.batch_size
     check_batch_size(batch, prompts)
     for name in names:  # bad settings fail here, not after the reference runs
-        wfd.check_args(model, prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
+        checks.check_args(model, prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
                        args.max_new_tokens, batch_size=batch, **settings(name, args))
     compile_s, fresh = {}, [n for n in names if n not in reuse]
     if (args.warmup or args.compile) and fresh:
@@ -568,7 +569,7 @@ def print_costs(model, T, names, figs, results, args):
 def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
-    k = wfd.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
+    k = checks.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
     emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
     device = machine(args.device) + ("" if args.device == "cuda" else f", {torch.get_num_threads()} CPU thread(s)")
     print(f"## bench.py: {model_id}{emulated}\n")

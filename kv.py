@@ -15,8 +15,12 @@ call, and only the blocks that some row of the call can see (`span`, from the ho
 attention costs what the rows read, not the capacity. A row's result depends on its own keys only
 (README, "Exact in every precision"): see `attend_blocks`. Each buffer has one column past its
 blocks, the scratch column: idle lanes of a call (position -1) write there and no block holds it.
+
+A cache is allocated only when it fits in free memory (`new_cache`); compiled decoding keeps its
+caches per model and setting (`static_cache`), because a CUDA graph replays on their addresses.
 """
 import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -184,19 +188,6 @@ def attend_blocks(q, blocks):
     return y.to(q.dtype)
 
 
-def cache_bytes(model, capacity, num_steps, window=None, batch=1):
-    """The bytes make_cache would allocate, from its buffers built on the meta device (generate
-    checks them against free memory before allocating)."""
-    return make_cache(model, capacity, num_steps, window, device="meta", batch=batch).nbytes
-
-
-def make_cache(model, capacity, num_steps, window=None, device=None, batch=1):
-    """A full per-depth cache, or with a window the shared one (on the model's device by default),
-    for `batch` sequences of `capacity` positions each."""
-    return (KVCache(model, capacity, num_steps, device=device, batch=batch) if window is None else
-            SharedKVCache(model, capacity, num_steps, window, device, batch))
-
-
 class SharedKVCache(KVCache):
     """Cross-recurrence KV sharing that stays exact with respect to its own AR (README, "Exact
     cross-recurrence KV sharing"): after the prompt, a row at position p and depth d reads the
@@ -249,3 +240,71 @@ class SharedKVCache(KVCache):
         blocks = [(final(self.final_k, lo), final(self.final_v, lo), visible[:, lo:lo + self.block])
                   for lo in range(0, step.span * self.block, self.block)]
         return attend_blocks(q, [window] + blocks)
+
+
+def cache_bytes(model, capacity, num_steps, window=None, batch=1):
+    """The bytes make_cache would allocate, from its buffers built on the meta device (generate
+    checks them against free memory before allocating)."""
+    return make_cache(model, capacity, num_steps, window, device="meta", batch=batch).nbytes
+
+
+def make_cache(model, capacity, num_steps, window=None, device=None, batch=1):
+    """A full per-depth cache, or with a window the shared one (on the model's device by default),
+    for `batch` sequences of `capacity` positions each."""
+    return (KVCache(model, capacity, num_steps, device=device, batch=batch) if window is None else
+            SharedKVCache(model, capacity, num_steps, window, device, batch))
+
+
+def free_memory(device):
+    """Bytes a new allocation on `device` can take: on CUDA the device's free memory plus what torch's
+    caching allocator holds unused; on a CPU MemAvailable (None where /proc/meminfo is missing)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def new_cache(model, capacity, num_steps, window, slots=1):
+    """make_cache, refused in one line when the cache does not fit in free memory: a generation
+    asking for 90 GiB would otherwise die in the middle of allocating it."""
+    need, free = cache_bytes(model, capacity, num_steps, window, slots), free_memory(model.device)
+    if free is not None and need > free:
+        low, high = 0, capacity  # the largest capacity that fits: the bytes grow with the capacity
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if cache_bytes(model, mid, num_steps, window, slots) <= free else (low, mid - 1)
+        batch = f"{slots} sequences of " if slots > 1 else ""
+        raise ValueError(f"the KV cache for {batch}{capacity} positions needs {need} bytes ({need / 2**30:.2f} GiB), but "
+                         f"{model.device} has {free} bytes free: at most {low} positions (prompt + max_new_tokens "
+                         "- 1) fit; ask for fewer new tokens{', a smaller batch_size' if slots > 1 else ''}, or use kv='shared' or a smaller dtype")
+    return make_cache(model, capacity, num_steps, window, batch=slots)
+
+
+STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}, the latest last
+KEEP_STATIC_CACHES = 2
+
+
+def static_cache(model, capacity, num_steps, window, slots=1):
+    """The KV cache of compiled decoding, kept per model and setting and zeroed for each generation:
+    a CUDA graph replays on its buffers' addresses (marked static: the graph writes them). The
+    KEEP_STATIC_CACHES latest settings are kept; free_static_caches(model) drops them all."""
+    key = (capacity, num_steps, window, slots, BLOCK, model.device, model.dtype)
+    caches = STATIC_CACHES.setdefault(model, {})
+    if key not in caches:
+        while len(caches) >= KEEP_STATIC_CACHES:
+            del caches[next(iter(caches))]
+        caches[key] = new_cache(model, capacity, num_steps, window, slots)
+        for t in caches[key].buffers():
+            torch._dynamo.mark_static_address(t)
+    caches[key] = caches.pop(key)  # the latest last
+    for t in caches[key].buffers():
+        t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
+    return caches[key]
+
+
+def free_static_caches(model):
+    STATIC_CACHES.pop(model, None)

@@ -15,6 +15,7 @@ import time
 import torch
 
 import chat
+import checks
 import models
 import wfd
 
@@ -295,10 +296,10 @@ def decode_file(args, model, method, width, settings):
     lines, prompts, eos = read_prompts(args, model)
     for n, prompt in zip(lines, prompts):  # a prompt's mistake named by its line, before any output
         try:
-            wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
+            checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
         except ValueError as err:
             raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
-    wfd.check_args(model, prompts, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
+    checks.check_args(model, prompts, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
                    batch_size=args.batch_size, **settings)
     slots, tok = min(args.batch_size or len(prompts), len(prompts)), model.tokenizer  # as generate's
     if args.compile:
@@ -352,7 +353,7 @@ def main(argv=None):
         print("note: skipping dtv, which cannot share KV exactly (its verify pass writes final-depth KV "
               "of positions it may reject)", file=sys.stderr)
     for _, method, width in runs:  # every input error out before the first line of output
-        wfd.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
+        checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
     if args.compile:
         compile_runs(model, prompt, len(prompt), runs, settings, args)
     stream = not args.json and len(runs) == 1 and tok is not None

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import kv
 import wfd
 from test_wfd import same_logits, tiny_model
 
@@ -141,7 +142,7 @@ def test_batched_bad_input_names_the_prompt(monkeypatch):
         with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
             wfd.generate(model, prompts, 4, **kw)
     # the cache of every slot is checked against free memory before allocating
-    monkeypatch.setattr(wfd, "free_memory", lambda device: wfd.kv.cache_bytes(model, 16, 4, None, 3) + 1)
+    monkeypatch.setattr(kv, "free_memory", lambda device: kv.cache_bytes(model, 16, 4, None, 3) + 1)
     with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions.*smaller batch_size"):
         wfd.generate(model, [[1, 2, 3]] * 3, 15, num_steps=4)
     assert len(wfd.generate(model, [[1, 2, 3]] * 3, 14, num_steps=4)) == 3

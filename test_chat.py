@@ -220,7 +220,7 @@ def test_a_cache_that_does_not_fit_is_refused(monkeypatch, capsys):
         for capacity in (5, 60):
             assert kv.cache_bytes(model, capacity, 4, window) == kv.make_cache(model, capacity, 4, window).nbytes
     free = kv.cache_bytes(model, 40, 4) + 100  # room for 40 positions, not 41
-    monkeypatch.setattr(wfd, "free_memory", lambda device: free)
+    monkeypatch.setattr(kv, "free_memory", lambda device: free)
     need = kv.cache_bytes(model, 3 + 60 - 1, 4)
     message = (f"the KV cache for 62 positions needs {need} bytes ({need / 2**30:.2f} GiB), but cpu has {free} bytes "
                "free: at most 40 positions (prompt + max_new_tokens - 1) fit")

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import models
+import kv
 import wfd
 from test_wfd import DEVICE, GOLDEN, same_logits, tiny_config, tiny_model
 
@@ -82,9 +83,9 @@ def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
         out = wfd.generate(model, max_new_tokens=6, compile=True, **run)
         assert len(out.tokens) == 6 and out.stats["compiled"]
     assert counters["stats"]["unique_graphs"] - graphs <= 8
-    assert len(wfd.STATIC_CACHES[model]) == 1
-    wfd.free_static_caches(model)
-    assert model not in wfd.STATIC_CACHES
+    assert len(kv.STATIC_CACHES[model]) == 1
+    kv.free_static_caches(model)
+    assert model not in kv.STATIC_CACHES
 
 
 def test_static_buffers_stay_and_cuda_graphs_are_taken():
@@ -96,7 +97,7 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
         out = wfd.generate(model, prompt, 6, capacity=16, compile=True)
         assert len(out.tokens) == 6
-        (cache,) = wfd.STATIC_CACHES[model].values()
+        (cache,) = kv.STATIC_CACHES[model].values()
         ptrs.append([t.data_ptr() for t in cache.buffers()])
     assert ptrs[0] == ptrs[1]
     if DEVICE == "cuda":

@@ -6,17 +6,15 @@ a row being one token position at one depth, through the model's three calls P (
 code", "Batched decoding" and "Sampling".
 """
 import math
-import numbers
 import time
-import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from math import ceil
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
 import kv
+import checks
 
 
 @dataclass(frozen=True)
@@ -137,61 +135,6 @@ class Generation:
     logits: list = None      # with keep_logits: the full-depth logits [V] that chose each token
 
 
-def free_memory(device):
-    """Bytes a new allocation on `device` can take: on CUDA the device's free memory plus what torch's
-    caching allocator holds unused; on a CPU MemAvailable (None where /proc/meminfo is missing)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def new_cache(model, capacity, num_steps, window, slots=1):
-    """make_cache, refused in one line when the cache does not fit in free memory: a generation
-    asking for 90 GiB would otherwise die in the middle of allocating it."""
-    need, free = kv.cache_bytes(model, capacity, num_steps, window, slots), free_memory(model.device)
-    if free is not None and need > free:
-        low, high = 0, capacity  # the largest capacity that fits: the bytes grow with the capacity
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if kv.cache_bytes(model, mid, num_steps, window, slots) <= free else (low, mid - 1)
-        batch = f"{slots} sequences of " if slots > 1 else ""
-        raise ValueError(f"the KV cache for {batch}{capacity} positions needs {need} bytes ({need / 2**30:.2f} GiB), but "
-                         f"{model.device} has {free} bytes free: at most {low} positions (prompt + max_new_tokens "
-                         "- 1) fit; ask for fewer new tokens{', a smaller batch_size' if slots > 1 else ''}, or use kv='shared' or a smaller dtype")
-    return kv.make_cache(model, capacity, num_steps, window, batch=slots)
-
-
-STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {cache settings: KV cache}, the latest last
-KEEP_STATIC_CACHES = 2
-
-
-def static_cache(model, capacity, num_steps, window, slots=1):
-    """The KV cache of compiled decoding, kept per model and setting and zeroed for each generation:
-    a CUDA graph replays on its buffers' addresses (marked static: the graph writes them). The
-    KEEP_STATIC_CACHES latest settings are kept; free_static_caches(model) drops them all."""
-    key = (capacity, num_steps, window, slots, kv.BLOCK, model.device, model.dtype)
-    caches = STATIC_CACHES.setdefault(model, {})
-    if key not in caches:
-        while len(caches) >= KEEP_STATIC_CACHES:
-            del caches[next(iter(caches))]
-        caches[key] = new_cache(model, capacity, num_steps, window, slots)
-        for t in caches[key].buffers():
-            torch._dynamo.mark_static_address(t)
-    caches[key] = caches.pop(key)  # the latest last
-    for t in caches[key].buffers():
-        t.zero_()  # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
-    return caches[key]
-
-
-def free_static_caches(model):
-    STATIC_CACHES.pop(model, None)
-
-
 def compiled_capacity(model, positions):
     """Compiled decoding's default capacity: a power of two of at least one key block, so that prompts
     of many lengths share a few caches and their graphs (attention reads only the written blocks)."""
@@ -275,7 +218,7 @@ class Decoder:
     def __init__(self, model, slots, capacity, *, num_steps, width, window=None, sampling=Sampling(), compile=False):
         self.model, self.slots, self.num_steps, self.width = model, slots, num_steps, width
         self.compiled, self.sampler = compile, sampling.on(model.device)
-        self.cache = (static_cache if compile else new_cache)(model, capacity, num_steps, window, slots)
+        self.cache = (kv.static_cache if compile else kv.new_cache)(model, capacity, num_steps, window, slots)
         self.read_call = read_body  # C and the choice of tokens
         if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
             room = (self.cache.scratch // self.cache.block).bit_length()
@@ -453,150 +396,6 @@ def draft_then_verify(seq: Sequence, k: int, draft_len: int):
                 break
 
 
-def default_draft_steps(model, num_steps=None):
-    """The draft depth k the checkpoint recommends for its own T (the demo has one), else the paper's
-    max(1, T // 8)."""
-    if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
-        return model.config["wfd_draft_steps"]
-    return max(1, (num_steps or model.num_steps) // 8)
-
-
-def prompt_list(prompt_ids):
-    """The prompt as a list of Python ints. Takes a list or tuple of ints, a 1-D integer tensor or
-    array, or the one row of a [1, n] one; refuses what would otherwise be silently reinterpreted
-    (text, floats and bools cast to ids, several prompts run as one)."""
-    if hasattr(prompt_ids, "ids"):
-        raise TypeError("the prompt is a tokenizers Encoding: pass its .ids")
-    if isinstance(prompt_ids, (str, bytes)):
-        raise TypeError("the prompt must be token ids, not text: encode it with the model's tokenizer")
-    ids = torch.as_tensor(prompt_ids)
-    if ids.dim() == 2 and len(ids) == 1:
-        ids = ids[0]
-    if ids.dim() != 1:
-        raise ValueError(f"the prompt must be one sequence of token ids (shape [n] or [1, n]), not shape "
-                         f"{list(ids.shape)}: pass several prompts as a list of them, each its own length")
-    if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
-        raise TypeError(f"prompt token ids must be integers, not {str(ids.dtype).replace('torch.', '')}")
-    return ids.tolist()
-
-
-def prompt_lists(prompt_ids):
-    """(prompts as lists of ints, batched): one prompt (prompt_list) or a list or tuple of them, each
-    error naming the prompt's index."""
-    scalar = lambda t: isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0  # an id, or not one
-    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or all(map(scalar, prompt_ids)):
-        return [prompt_list(prompt_ids)], False
-    prompts = []
-    for i, p in enumerate(prompt_ids):
-        if scalar(p):
-            raise TypeError(f"prompt {i} is a token id among prompts: pass one prompt (a list of ids) or a "
-                            "list of prompts, not a mix")
-        try:
-            prompts.append(prompt_list(p))
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"prompt {i}: {err}") from None
-    return prompts, True
-
-
-def stop_ids(eos_token_id, vocab_size):
-    """The stop tokens as a frozenset: eos_token_id is None (none), an int, or a collection of ints
-    (a real checkpoint has several: end of text, end of turn)."""
-    if eos_token_id is None:
-        return frozenset()
-    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"eos_token_id must be None, a token id or a collection of token ids, not {eos_token_id!r}")
-    ids = list(ids)
-    for t in ids:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise ValueError(f"eos_token_id holds {t!r}, which is not a token id")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"eos_token_id {t} is outside the vocabulary (0..{vocab_size - 1})")
-    return frozenset(int(t) for t in ids)
-
-
-def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
-               draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-               temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None, compile=False):
-    """generate()'s arguments checked and normalized: (the prompt as a list of ints, or several as a
-    list of them, max_new_tokens as an int, T, k, width, window, the stop tokens as a frozenset).
-    run.py calls it too, so that bad input is refused before anything is printed."""
-    prompts, batched = prompt_lists(prompt_ids)
-    for i, prompt in enumerate(prompts):
-        try:
-            check_prompt(model, prompt, max_new_tokens, capacity)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"prompt {i}: {err}" if batched else str(err)) from None
-    several = isinstance(seed, (list, tuple))
-    if several and (not batched or len(seed) != len(prompts)):
-        raise ValueError(f"{len(seed)} seeds for {len(prompts) if batched else 'one'} prompt(s): give one seed, "
-                         "or a list of prompts and one seed each")
-    seeds = seed if several else [seed]
-    for s in seeds:
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"seed must be an integer >= 0 (or, for several prompts, a list of them), not {s!r}")
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
-        raise ValueError(f"batch_size must be an integer >= 1, not {batch_size!r}")
-    T = model.num_steps if num_steps is None else num_steps
-    k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
-    if method not in ("ar", "wfd", "dtv"):
-        raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
-    if kv not in ("full", "shared"):
-        raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
-    if T < 1:
-        raise ValueError(f"num_steps must be at least 1, not {T}")
-    if not 1 <= k <= T:
-        raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T} (the full depth)")
-    if draft_len < 1:
-        raise ValueError(f"draft_len must be at least 1, not {draft_len}")
-    wave = ceil(T / k)  # the wavefront's rows in flight
-    need = wave if method == "wfd" else draft_len + 1 if method == "dtv" else 1
-    width = (draft_len + 1 if method == "dtv" else wave) if width is None else width
-    if not isinstance(width, int) or width < need:
-        raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows per call")
-    if kv == "full" and window is not None:
-        raise ValueError("window only applies to kv='shared'")
-    if kv == "shared":
-        if method == "dtv":
-            raise ValueError("kv='shared' is not exact for draft-then-verify: its verify pass writes the "
-                             "final-depth KV of positions it may then reject, which rows in flight read; "
-                             "use kv='full'")
-        window = wave if window is None else window
-        if window < (wave if method == "wfd" else 1):
-            raise ValueError(f"window {window} is narrower than the wavefront (ceil(T/k) = {wave} rows): "
-                             "its rows would read final-depth KV that is not written yet")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), not {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be None or an integer >= 1, not {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or in (0, 1], not {top_p!r}")
-    if temperature == 0 and (top_k is not None or top_p is not None):
-        raise ValueError("top_k and top_p need temperature > 0: greedy decoding has nothing to filter")
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, not {compile!r}")
-    return (prompts if batched else prompts[0], int(max_new_tokens), T, k, width, window,
-            stop_ids(eos_token_id, model.args.vocab_size))
-
-
-def check_prompt(model, prompt, max_new_tokens, capacity):
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-        raise TypeError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= t < model.args.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
-    if len(prompt) + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's context of {model.args.max_seq_len} positions")
-    if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
-        raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
-                         f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
-
-
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
              draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
              temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None,
@@ -605,7 +404,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     """Greedy or sampled decoding of one prompt, returning Generation(tokens, stats, logits), or of a
     list of prompts, returning a list of them in the prompts' order.
 
-    T = num_steps, k = draft_steps (default: default_draft_steps); width: rows per R / C call (README,
+    T = num_steps, k = draft_steps (default: checks.default_draft_steps); width: rows per R / C call (README,
     "Exact in every precision"); capacity: the KV cache's positions per sequence, refused when they do
     not fit in free memory; eos_token_id: a token id or a collection of them, each of which ends the
     generation (stats["stop_token"] says which did, None when it ran to max_new_tokens); kv="shared"
@@ -620,7 +419,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     together, prompt i in slot i % batch_size after the prompts before it there; seed may be a list,
     one per prompt; the callbacks take the prompt's index first: draft_hook(i, pos, token),
     on_token(i, token), on_finish(i, generation) as each prompt finishes; trace entries carry "index"."""
-    prompts, max_new_tokens, T, k, width, window, stop = check_args(
+    prompts, max_new_tokens, T, k, width, window, stop = checks.check_args(
         model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
         draft_len=draft_len, width=width, capacity=capacity, eos_token_id=eos_token_id, kv=kv, window=window,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)

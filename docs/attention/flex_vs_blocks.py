@@ -121,8 +121,8 @@ def main(quick):
     torch.set_num_threads(1)
     config = json.load(open(os.path.join(ROOT, "configs", "ouro-mid.json")))
     variants = {name: models.from_config(config, init_seed=0) for name in ("blocks", "flex")}
-    real_new_cache = wfd.new_cache
-    wfd.new_cache = lambda model, *a: (flex_cache if model is variants["flex"] else real_new_cache)(model, *a)
+    real_new_cache = kv.new_cache
+    kv.new_cache = lambda model, *a: (flex_cache if model is variants["flex"] else real_new_cache)(model, *a)
     lengths, new, capacity = ([16, 300], 8, 1024) if quick else ([16, 300, 800, 1800], 64, 4096)
     ids = random.Random(0).choices(range(32000), k=max(lengths))
     rows, worst, same = [], 0.0, True
