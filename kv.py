@@ -86,8 +86,9 @@ class KVCache:
         """Once per call, on the device: device work only, so that a compiled call takes it in.
         pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row).
         The views and indices every layer reads are made here, once, not at every layer."""
-        if len(pos) % self.batch:
-            raise ValueError(f"a call of {len(pos)} lanes cannot split evenly over {self.batch} sequences")
+        lanes = pos.shape[0]
+        if lanes % self.batch:
+            raise ValueError(f"a call of {lanes} lanes cannot split evenly over {self.batch} sequences")
         col = torch.where(pos < 0, self.scratch, pos)
         flat = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
         blocks = []
@@ -100,7 +101,7 @@ class KVCache:
         step = Step(col, span, flat, blocks, at_depth=None if depth is None else depth * self.n_core,
                     depth=depth if per_row else None, depth0=None if per_row else depth)
         if self.batch > 1:  # lane i's sequence: i // (lanes per sequence); its slots begin at seq * slots
-            step.seq = torch.arange(len(pos), device=pos.device) // (len(pos) // self.batch)
+            step.seq = torch.arange(lanes, device=pos.device) // (lanes // self.batch)
             step.first = step.seq * self.k.shape[1]
             step.at_depth = None if depth is None else step.at_depth + step.first
         return step

@@ -236,10 +236,11 @@ class Decoder:
     def lanes(self, calls):
         """Lists [slots * width]: each (sequence, rows) row's position and depth in its lane, -1 and 0
         in the idle lanes."""
-        pos, depth = [-1] * len(self.s), [0] * len(self.s)
+        pos, depth = [-1] * self.slots * self.width, [0] * self.slots * self.width
         for seq, rows in calls:
             for r in rows:
-                pos[self.lane(seq, r)], depth[self.lane(seq, r)] = r.pos, r.depth
+                lane = self.lane(seq, r)
+                pos[lane], depth[lane] = r.pos, r.depth
         return pos, depth
 
     def prefill(self, seq, slot):
