@@ -34,10 +34,9 @@ class Step:
     """What one P / R / C call needs at every layer, built once per call by KVCache.prepare."""
     col: torch.Tensor            # [N] column each row writes: its position, or scratch for idle lanes
     span: int                    # key blocks the call reads; 0: the prefill, causal within its own keys
-    flat: tuple = ()             # the buffers (k, v) with (sequence, slot) as one dimension
     blocks: list = ()            # per key block the call reads: (k, v, visible [N, block])
-    first: object = 0            # each row's sequence's first slot in `flat`: 0, or [N]
-    at_depth: object = None      # each row's first looped slot at its depth in `flat`: an int, or [N]
+    first: object = 0            # each row's sequence's first slot in the buffers: 0, or [N]
+    at_depth: object = None      # each row's first looped slot at its depth in the buffers: an int, or [N]
     depth: torch.Tensor = None   # [N] per-row depth (decode), or None: all rows at one depth
     depth0: int = 0              # that one depth
     seq: torch.Tensor = None     # [N] each row's sequence, or None: all rows in the first
@@ -52,7 +51,11 @@ class KVCache:
         self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
-        shape = (batch, self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, self.scratch + 1, a.head_dim)
+        # (sequence, slot) as one first dimension: sequence b's slots are rows b * slots_per_seq.. of it,
+        # so a call writes the buffer itself (compiled: in place; through a view, inductor copied the
+        # whole buffer back at every call) and reads it with one index_select
+        self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
+        shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1, a.head_dim)
         self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
@@ -62,7 +65,8 @@ class KVCache:
     def slot(self, b):
         """The cache of the sequence in slot b alone, for its prefill: views, so its writes land here."""
         view = copy.copy(self)
-        view.__dict__.update({name: t[b:b + 1] for name, t in vars(self).items() if torch.is_tensor(t)}, batch=1)
+        one = lambda t: t.view(self.batch, t.shape[0] // self.batch, *t.shape[1:])[b]  # [sequences * X, ...] -> [X, ...]
+        view.__dict__.update({name: one(t) for name, t in vars(self).items() if torch.is_tensor(t)}, batch=1)
         return view
 
     @property
@@ -90,19 +94,18 @@ class KVCache:
         if lanes % self.batch:
             raise ValueError(f"a call of {lanes} lanes cannot split evenly over {self.batch} sequences")
         col = torch.where(pos < 0, self.scratch, pos)
-        flat = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [batch * slots, Hkv, scratch + 1, hd]
         blocks = []
         if span:  # idle lanes (col: scratch) see every key: finite, and dropped
             visible = torch.arange(span * self.block, device=pos.device)[None] <= col[:, None]
-            blocks = [(flat[0].narrow(2, lo, self.block), flat[1].narrow(2, lo, self.block), vis)
+            blocks = [(self.k.narrow(2, lo, self.block), self.v.narrow(2, lo, self.block), vis)
                       for lo, vis in zip(range(0, span * self.block, self.block),
                                          visible.split(self.block, 1) if span > 1 else [visible])]
         per_row = torch.is_tensor(depth)
-        step = Step(col, span, flat, blocks, at_depth=None if depth is None else depth * self.n_core,
+        step = Step(col, span, blocks, at_depth=None if depth is None else depth * self.n_core,
                     depth=depth if per_row else None, depth0=None if per_row else depth)
         if self.batch > 1:  # lane i's sequence: i // (lanes per sequence); its slots begin at seq * slots
             step.seq = torch.arange(lanes, device=pos.device) // (lanes // self.batch)
-            step.first = step.seq * self.k.shape[1]
+            step.first = step.seq * self.seq_slots
             step.at_depth = None if depth is None else step.at_depth + step.first
         return step
 
@@ -113,12 +116,11 @@ class KVCache:
             at = step.at_depth + layer
         else:  # prelude and coda: one slot for every depth
             at = step.first + self.depth_slots + layer - self.n_core
-        flat_k, flat_v = step.flat
         if torch.is_tensor(at):  # each row its own keys: one index_select over (sequence, slot)
-            flat_k[at, :, step.col], flat_v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
+            self.k[at, :, step.col], self.v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
             keys = lambda t: t.index_select(0, at)
         else:  # keys every row shares
-            flat_k[at][:, step.col], flat_v[at][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
+            self.k[at][:, step.col], self.v[at][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
             keys = lambda t: t[at:at + 1]
         if step.span == 0:
             return causal_attention(q, k, v)
