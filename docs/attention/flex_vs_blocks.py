@@ -44,7 +44,7 @@ class FlexKVCache(kv.KVCache):
         super().__init__(model, capacity, num_steps)
         # a buffer per layer in place of kv's one (allocated, then dropped): compiled on a CPU, flex_attention reads a view of the
         # cache from its storage's start, ignoring the view's offset (torch 2.13; layers 1.. read layer 0)
-        shape = (self.num_steps, *self.k.shape[2:])  # one sequence: [T, Hkv, scratch + 1, hd]
+        shape = (self.num_steps, *self.k.shape[1:])  # [T, Hkv, scratch + 1, hd]
         self.keys, self.values = ([self.k.new_zeros(shape) for _ in range(self.n_core)] for _ in range(2))
         del self.k, self.v
 
