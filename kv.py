@@ -51,7 +51,7 @@ class KVCache:
         self.scratch = -(-capacity // self.block) * self.block  # the blocks end where scratch begins
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
-        # (sequence, slot) as one first dimension: sequence b's slots are rows b * slots_per_seq.. of it,
+        # (sequence, slot) as one first dimension: sequence b's slots are rows b * seq_slots.. of it,
         # so a call writes the buffer itself (compiled: in place; through a view, inductor copied the
         # whole buffer back at every call) and reads it with one index_select
         self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
