@@ -52,8 +52,8 @@ class KVCache:
         # slot of looped layer j at depth d: d * n_core + j; prelude and coda layers after them
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
         # (sequence, slot) as one first dimension: sequence b's slots are rows b * seq_slots.. of it,
-        # so a call writes the buffer itself (compiled: in place; through a view, inductor copied the
-        # whole buffer back at every call) and reads it with one index_select
+        # so a call writes the buffer itself (compiled: in place; written through a view, inductor
+        # copied the whole buffer back at every call) and reads it with one index_select
         self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
         shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1, a.head_dim)
         self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
@@ -116,11 +116,13 @@ class KVCache:
             at = step.at_depth + layer
         else:  # prelude and coda: one slot for every depth
             at = step.first + self.depth_slots + layer - self.n_core
+        # one index_put on the buffer itself, whatever the rows: written through a view (self.k[at]),
+        # compiled decoding copied the whole slot back at every call
+        rows = at if torch.is_tensor(at) else torch.full_like(step.col, at)
+        self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # k, v [N, Hkv, hd]
         if torch.is_tensor(at):  # each row its own keys: one index_select over (sequence, slot)
-            self.k[at, :, step.col], self.v[at, :, step.col] = k, v  # k, v [N, Hkv, hd]
             keys = lambda t: t.index_select(0, at)
         else:  # keys every row shares
-            self.k[at][:, step.col], self.v[at][:, step.col] = k.transpose(0, 1), v.transpose(0, 1)
             keys = lambda t: t[at:at + 1]
         if step.span == 0:
             return causal_attention(q, k, v)
@@ -202,8 +204,10 @@ class SharedKVCache(KVCache):
         a = model.args
         self.window = window
         self.ring = min(max(window, 2 * window - 2), capacity)
-        final = (batch, a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
-        ring = (batch, self.num_steps, a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
+        # one first dimension, as in KVCache (written in place): final row of (sequence s, layer j):
+        # s * n_core + j; ring row of (s, depth d, j): (s * T + d) * n_core + j
+        final = (batch * a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
+        ring = (batch * self.num_steps * a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)  # + a scratch entry
         self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
         self.final_v = torch.zeros_like(self.final_k)
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
@@ -213,35 +217,35 @@ class SharedKVCache(KVCache):
         if layer >= self.n_core:
             return super().attend(step, layer, q, k, v)
         last_depth = self.num_steps - 1
-        ring_k, ring_v = self.ring_k[:, :, layer], self.ring_v[:, :, layer]  # [batch, T, Hkv, ring + 1, hd]
         if step.depth is None:
             # the prefill of one sequence (a slot's view: sequence 0): every prompt position at one
             # depth, reading that depth only
-            n, d = len(step.col), step.depth0
+            n, ring_row = len(step.col), step.depth0 * self.n_core + layer
             last = slice(max(0, n - self.ring), None)  # the ring keeps the latest
-            ring_k[0, d][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
-            ring_v[0, d][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
-            if d == last_depth:
-                self.final_k[0, layer][:, step.col] = k.transpose(0, 1)
-                self.final_v[0, layer][:, step.col] = v.transpose(0, 1)
+            self.ring_k[ring_row][:, step.col[last] % self.ring] = k[last].transpose(0, 1)
+            self.ring_v[ring_row][:, step.col[last] % self.ring] = v[last].transpose(0, 1)
+            if step.depth0 == last_depth:
+                self.final_k[layer][:, step.col] = k.transpose(0, 1)
+                self.final_v[layer][:, step.col] = v.transpose(0, 1)
             return causal_attention(q, k, v)
         col, d, idle = step.col, step.depth, step.col == self.scratch
-        at = torch.zeros_like(col) if step.seq is None else step.seq  # each row's sequence
+        seq = torch.zeros_like(col) if step.seq is None else step.seq  # each row's sequence, a tensor:
+        final_row = seq * self.n_core + layer                          # so that every write is one
+        ring_row = (seq * self.num_steps + d) * self.n_core + layer     # index_put on the buffer itself
         # every row writes its ring entry and, at the last depth, its final entry; the rest go to scratch
         ring_col = torch.where(idle, self.ring, col % self.ring)
-        ring_k[at, d, :, ring_col], ring_v[at, d, :, ring_col] = k, v
+        self.ring_k[ring_row, :, ring_col], self.ring_v[ring_row, :, ring_col] = k, v
         final_col = torch.where(d == last_depth, col, self.scratch)
-        self.final_k[at, layer, :, final_col], self.final_v[at, layer, :, final_col] = k, v
+        self.final_k[final_row, :, final_col], self.final_v[final_row, :, final_col] = k, v
         # first each row's own window (p - window, p] at its depth, from the ring (never empty: it holds
         # p), then the final-depth blocks, visible up to p - window (shared by all rows of one sequence)
         wpos = col[:, None] + torch.arange(1 - self.window, 1, device=q.device)  # [N, window]
-        window = (ring_k[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2),    # [N, Hkv, window, hd]
-                  ring_v[at[:, None], d[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
+        window = (self.ring_k[ring_row[:, None], :, wpos % self.ring].transpose(1, 2),  # [N, Hkv, window, hd]
+                  self.ring_v[ring_row[:, None], :, wpos % self.ring].transpose(1, 2), wpos >= 0)
         visible = torch.arange(step.span * self.block, device=q.device)[None] <= col[:, None] - self.window
-        final = (lambda t, lo: t[0, layer, None, :, lo:lo + self.block]) if step.seq is None else \
-                (lambda t, lo: t[step.seq, layer, :, lo:lo + self.block])
-        blocks = [(final(self.final_k, lo), final(self.final_v, lo), visible[:, lo:lo + self.block])
-                  for lo in range(0, step.span * self.block, self.block)]
+        final = (lambda t: t[layer:layer + 1]) if step.seq is None else (lambda t: t.index_select(0, final_row))
+        blocks = [(final(self.final_k.narrow(2, lo, self.block)), final(self.final_v.narrow(2, lo, self.block)),
+                   visible[:, lo:lo + self.block]) for lo in range(0, step.span * self.block, self.block)]
         return attend_blocks(q, [window] + blocks)
 
 
