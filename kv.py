@@ -120,13 +120,12 @@ class KVCache:
         # compiled decoding copied the whole slot back at every call
         rows = at if torch.is_tensor(at) else torch.full_like(step.col, at)
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # k, v [N, Hkv, hd]
-        if torch.is_tensor(at):  # each row its own keys: one index_select over (sequence, slot)
-            keys = lambda t: t.index_select(0, at)
-        else:  # keys every row shares
-            keys = lambda t: t[at:at + 1]
         if step.span == 0:
             return causal_attention(q, k, v)
-        return attend_blocks(q, [(keys(bk), keys(bv), visible) for bk, bv, visible in step.blocks])
+        if torch.is_tensor(at):  # each row its own keys: one index_select over (sequence, slot)
+            return attend_blocks(q, [(bk.index_select(0, at), bv.index_select(0, at), visible)
+                                     for bk, bv, visible in step.blocks])
+        return attend_blocks(q, [(bk[at:at + 1], bv[at:at + 1], visible) for bk, bv, visible in step.blocks])  # keys all rows share
 
 
 def causal_attention(q, k, v):

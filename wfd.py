@@ -123,9 +123,10 @@ class Readout:
 
 
 def readouts(logits, chosen):
-    """A read's logits [n, V] and choices [2, n] as n Readouts, the choices in one transfer."""
+    """A read's logits [n, V] and choices [2, n] as a function from a row's index to its Readout,
+    the choices of all n in one transfer."""
     tokens, finite = chosen.tolist()
-    return [Readout(t, row, bool(f)) for t, row, f in zip(tokens, logits, finite)]
+    return lambda i: Readout(tokens[i], logits[i], bool(finite[i]))
 
 
 @dataclass
@@ -217,7 +218,7 @@ class Decoder:
 
     def __init__(self, model, slots, capacity, *, num_steps, width, window=None, sampling=Sampling(), compile=False):
         self.model, self.slots, self.num_steps, self.width = model, slots, num_steps, width
-        self.compiled, self.sampler = compile, sampling.on(model.device)
+        self.compiled = compile
         self.cache = (kv.static_cache if compile else kv.new_cache)(model, capacity, num_steps, window, slots)
         self.read_call = read_body  # C and the choice of tokens
         if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
@@ -229,6 +230,7 @@ class Decoder:
         self.s = lanes(model.args.dim)  # [slots * width, D]: the rows' states
         self.e = lanes(model.inject_dim) if model.inject_dim else None  # what P made of each row's token
         self.keys = torch.zeros(slots * width, dtype=torch.int64, device=model.device)  # each lane's seed key
+        self.sampler = sampling.on(model.device)._replace(key=self.keys)
 
     def lane(self, seq, row):
         return seq.slot * self.width + row.pos % self.width
@@ -258,7 +260,7 @@ class Decoder:
         seq.stats["c_calls"] += 1
         logits, chosen = read_body(self.model, s, e, *self.model.to_device(pos, None, cache),
                                    self.sampler._replace(key=self.keys[slot * self.width]), rows=[n - 1])
-        return seq.commit(readouts(logits, chosen)[0])
+        return seq.commit(readouts(logits, chosen)(0))
 
     def start(self, seqs):
         """P: the rows the sequences started, one row per slot (idle slots at position -1)."""
@@ -298,11 +300,11 @@ class Decoder:
         """C: each row's logits and the token they choose, in one call and one read to the host."""
         pos = torch.tensor(self.lanes(calls)[0])
         logits, chosen = self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, self.compiled),
-                                        self.sampler._replace(key=self.keys))
-        out = readouts(logits, chosen)
+                                        self.sampler)
         for seq, _ in calls:
             seq.stats["c_calls"] += 1
-        return [[out[self.lane(seq, r)] for r in rows] for seq, rows in calls]
+        out = readouts(logits, chosen)
+        return [[out(self.lane(seq, r)) for r in rows] for seq, rows in calls]
 
 
 def decode(dec: Decoder, queues, schedule, on_finish):
