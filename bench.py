@@ -24,6 +24,7 @@ sequence's slot taking the next prompt; --batch-sizes sweeps it.
 """
 import argparse
 import json
+import hashlib
 import math
 import os
 import random
@@ -43,8 +44,8 @@ import checks
 import figures
 import models
 import wfd
-from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, default_eos, encode_text,
-                 finite, one_line_errors, token_match)
+from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, answer_text, check_at_least, default_eos,
+                 encode_text, finite, one_line_errors, token_match)
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -75,7 +76,8 @@ LEGEND = """\
 - width: rows per P/R/C call. identical: share of prompts whose tokens and logits equal the
   method's exact reference, AR at the same width (shared-KV runs: with the same sharing); 100% is
   required of every method. AR match: share of token positions equal to plain (1-row) AR's, which
-  in reduced precision may part from the others at a near tie."""
+  in reduced precision may part from the others at a near tie. graphs compiled (--compile): the
+  graphs torch.compile made during the method's timed runs, 0 unless --warmup 0."""
 
 # -- prompts ----------------------------------------------------------------------------------------
 
@@ -113,7 +115,7 @@ def stdlib_prompts(model, per_file, length=48):
     for rel, text in library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
             prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=model.tokenizer.encode(text[m.start():]).ids[:length], eos=default_eos(model)))
+                                ids=encode_text(model, text[m.start():])[:length], eos=default_eos(model)))
     return prompts
 
 
@@ -155,7 +157,8 @@ def draft_emulator(model, prompt, name, args, ref):
 
 def record(out, prompt, drafts, times, time_s):
     """One prompt's result: its Generation's figures, its rounds and its speeds. times: the clock at
-    each token's commit; time_s: the prompt's time, prefill included."""
+    each token's commit; time_s: the prompt's time, prefill included. Its logits are kept as the digest
+    in its stats (stats["logits_digest"]), so that a run's memory does not grow with its prompts."""
     tokens, offset = out.tokens, len(prompt["ids"])
     # a committed token is an accepted draft iff it equals the last draft for its position; each
     # other token (the prefill's, a correction, a bonus) opens a round
@@ -166,8 +169,8 @@ def record(out, prompt, drafts, times, time_s):
         else:
             lengths.append(1)
     decode = (len(tokens) - 1) / (times[-1] - times[0]) if len(tokens) > 1 else float("nan")
-    return dict(tokens=tokens, logits=torch.stack(out.logits).cpu(), stats=out.stats, accept_lengths=lengths,
-                time_s=time_s, tok_s=len(tokens) / time_s, decode_tok_s=decode)
+    return dict(tokens=tokens, stats=out.stats, accept_lengths=lengths, time_s=time_s, tok_s=len(tokens) / time_s,
+                decode_tok_s=decode)
 
 
 def run(model, prompt, name, args, max_new_tokens, ref=None):
@@ -176,24 +179,32 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     clock, times = CLOCKS[args.clock], []
     start = clock()
     out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"], draft_hook=hook,
-                       on_token=lambda t: times.append(clock()), keep_logits=True, **settings(name, args))
+                       on_token=lambda t: times.append(clock()), digest_logits=True, **settings(name, args))
     return record(out, prompt, drafts, times, clock() - start)
 
 
-def run_batch(model, prompts, name, args, max_new_tokens, refs=None):
+def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=None):
     """Decode the prompts with one method in one batched call through args.batch_size slots (refs: each
     prompt's ref, as draft_emulator's). One result per prompt, as run's, timed by the wall clock from
-    its prefill to its last token, and each holding the whole call's time by args.clock (batch_s)."""
+    its prefill to its last token, and each holding the call's id (batch_id) and its time by args.clock
+    until the prompt finished (batch_s: the call's time is its last prompt's). on_result(i, result) is
+    called as prompt i finishes."""
     hooks = [draft_emulator(model, p, name, args, ref) for p, ref in zip(prompts, refs or [None] * len(prompts))]
     clock, times = CLOCKS[args.clock], [[] for _ in prompts]
     stop = sorted({t for p in prompts for t in p["eos"] or ()})  # one model, one format: the same for every prompt
+    recs, batch_id = [None] * len(prompts), uuid.uuid4().hex
+
+    def finish(i, out):
+        recs[i] = dict(record(out, prompts[i], hooks[i][1], times[i], out.stats["wall_s"]), batch_id=batch_id,
+                       batch_s=clock() - start)
+        if on_result:
+            on_result(i, recs[i])
+
     start = clock()
-    outs = wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop,
-                        batch_size=args.batch_size, draft_hook=lambda i, pos, token: hooks[i][0](pos, token),
-                        on_token=lambda i, token: times[i].append(clock()), keep_logits=True, **settings(name, args))
-    batch_s = clock() - start
-    return [dict(record(out, p, drafts, t, out.stats["wall_s"]), batch_s=batch_s)
-            for out, p, (_, drafts), t in zip(outs, prompts, hooks, times)]
+    wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop, batch_size=args.batch_size,
+                 draft_hook=lambda i, pos, token: hooks[i][0](pos, token), on_token=lambda i, token: times[i].append(clock()),
+                 on_finish=finish, digest_logits=True, **settings(name, args))
+    return recs
 
 
 # -- tables -----------------------------------------------------------------------------------------
@@ -208,28 +219,36 @@ def summarize(recs):
     st = [r["stats"] for r in recs]
     tokens, accepted = sum(s["tokens"] for s in st), sum(s["accepted"] for s in st)
     verified = accepted + sum(s["rejected"] for s in st)
-    # a batch's speed is its throughput: every token over the batched call's time
-    tok_s = tokens / recs[0]["batch_s"] if "batch_s" in recs[0] else mean([r["tok_s"] for r in recs])
+    # a batch's speed is its throughput: every token over the batched calls' time (a resumed run's
+    # prompts come from more than one call)
+    calls, graphs = defaultdict(float), defaultdict(int)  # per call: its time; the graphs it compiled
+    for j, r in enumerate(recs):
+        call = r.get("batch_id", j)  # a batch's counts grow as its prompts finish: its last is the call's
+        calls[call] = max(calls[call], r.get("batch_s", 0.0))
+        graphs[call] = max(graphs[call], r["stats"]["graphs_compiled"])
+    tok_s = tokens / sum(calls.values()) if "batch_id" in recs[0] else mean([r["tok_s"] for r in recs])
     return dict(tok_s=tok_s, decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
                 per_round=tokens / (tokens - accepted), acceptance=accepted / verified if verified else float("nan"),
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
                 kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
                 identical=sum(r["identical"] for r in recs) / len(recs),
-                ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"])
+                ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"], graphs=sum(graphs.values()))
 
 
-def table(results, names, ids):
-    """Markdown table over the prompts `ids`; speedups against AR on the same prompts."""
+def table(results, names, ids, compiled=False):
+    """Markdown table over the prompts `ids`; speedups against AR on the same prompts. compiled: with a
+    last column, the graphs compiled during the timed runs (0 unless the warm-up missed some)."""
     figs = {n: summarize([results[n][i] for i in ids]) for n in names}
     ar = figs["ar"]
     fmt = lambda x, f: "–" if math.isnan(x) else format(x, f)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = COLUMNS + ["graphs compiled"] * compiled
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for n, f in figs.items():
         lines.append("| " + " | ".join([
             METHODS[n][3], str(f["width"]), fmt(f["tok_s"], ".2f"), fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
             fmt(f["decode_tok_s"] / ar["decode_tok_s"], ".2f") + "x", fmt(f["per_round"], ".2f"),
             fmt(f["acceptance"], ".3f"), fmt(f["r_per_token"], ".2f"), fmt(f["kv_mib"], ".1f"),
-            f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"]) + " |")
+            f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"] + [str(f["graphs"])] * compiled) + " |")
     return "\n".join(lines), figs
 
 
@@ -401,8 +420,10 @@ def parse_args(argv=None):
                       compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
                       "is reported apart")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, or a sweep's "
-                   "sweep-NAME.json ('' for none)")
+    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, each appended as its prompt "
+                   "finishes, or a sweep's sweep-NAME.json ('' for none)")
+    p.add_argument("--resume", action="store_true", help="keep the answers in --out of an earlier run of the same "
+                   "command (one cut short) and measure only the prompts some method has not answered")
     p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, each method in one "
                    "batched call (a finished sequence's slot takes the next prompt); default: one prompt at a time")
     p.add_argument("--sweep", choices=[n for n in SWEEPS if n != "batch"], help="run every method at each point of a "
@@ -430,7 +451,7 @@ def load_model(args, log):
     else:
         if args.model == DEMO and not os.path.isdir(DEMO):
             raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
-        model_id = os.path.basename(os.path.normpath(args.model))
+        model_id = model_name(args.model)
         log(f"loading {args.model} ...")
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
     model.tokenizer = tokenizer or model.tokenizer
@@ -440,18 +461,31 @@ def load_model(args, log):
     return model, model_id
 
 
-def prompt_format(args, model_id):
-    """--prompt-format resolved; auto is the official protocol's rule: the chat template for the
-    reasoning fine-tunes (*-Thinking), raw text for the base checkpoints."""
+def model_name(source):
+    """The model's name: a hub id's, a hub cache folder's (models--ORG--NAME/snapshots/HASH), else the
+    folder's own."""
+    path = os.path.normpath(os.path.abspath(os.path.expanduser(source)))
+    cached = re.search(r"models--[^/]+?--([^/]+)/snapshots/[^/]+$", path.replace(os.sep, "/"))
+    if cached:
+        return cached.group(1)
+    return os.path.basename(path) if os.path.isdir(path) else os.path.basename(os.path.normpath(source))
+
+
+def prompt_format(args, model_id, log):
+    """--prompt-format resolved, and said; auto is the official protocol's rule: the chat template for
+    the reasoning fine-tunes (*-Thinking), raw text for the base checkpoints."""
     if args.prompt_format != "auto":
         return args.prompt_format
-    return "chat" if "thinking" in model_id.lower() else "raw"
+    thinking = "thinking" in model_id.lower()
+    log(f"prompt format: {'chat' if thinking else 'raw'} (--prompt-format auto: {model_id} is "
+        f"{'a' if thinking else 'not a'} Thinking model; the protocol gives the reasoning fine-tunes chat turns)")
+    return "chat" if thinking else "raw"
 
 
 def load_prompts(model, model_id, args, log):
     if args.questions:
         cats = set(args.categories.split(",")) if args.categories else None
-        fmt = prompt_format(args, model_id)
+        fmt = prompt_format(args, model_id, log)
         prompts = specbench_prompts(model, args.questions, cats, args.per_category, fmt == "chat")
         source = f"Spec-Bench, first turns, {'chat template' if fmt == 'chat' else 'raw text'}"
     elif model.tokenizer is None or args.random_weights:
@@ -480,61 +514,84 @@ def check_batch_size(batch_size, prompts, flag="--batch-size"):
                          "(--num-prompts, --limit) or a smaller batch")
 
 
-def run_all(model, prompts, names, args, log, reuse=None):
+def run_all(model, prompts, names, args, log, known=None, on_result=None):
     """Every method on every prompt, each reference before the runs checked against it: prompt after
-    prompt, or with args.batch_size each method over all the prompts in one batched call. reuse: name
-    -> its results on these prompts, measured before (a sweep's AR runs, which its points do not change)."""
-    reuse, batch = reuse or {}, args.batch_size
-    check_batch_size(batch, prompts)
+    prompt, or with args.batch_size each method over the prompts in one batched call. known: name -> one
+    result or None per prompt, measured before (a sweep's AR runs, which its points do not change; a
+    resumed run's answers): only the Nones run. on_result(name, i, result) as each result is checked.
+    Returns (name -> one result per prompt, the warm-up's seconds per method)."""
+    batch = args.batch_size
+    known = {n: list(known[n]) if known and n in known else [None] * len(prompts) for n in names}
+    todo = {n: [i for i, r in enumerate(known[n]) if r is None] for n in names}
+    fresh = [n for n in names if todo[n]]
+    check_batch_size(batch, [prompts[i] for i in todo[fresh[0]]] if fresh else prompts)
     for name in names:  # bad settings fail here, not after the reference runs
         checks.check_args(model, prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
-                       args.max_new_tokens, batch_size=batch, **settings(name, args))
-    compile_s, fresh = {}, [n for n in names if n not in reuse]
-    if (args.warmup or args.compile) and fresh:
-        # one token is the prefill alone, the same for every method: one run touches all the weights.
-        # Compiling needs a decoding step of every method: its width's (and batch's) P, R and C calls
-        tokens = max(args.warmup, 2) if args.compile else args.warmup
-        warm = fresh if tokens > 1 else fresh[:1]
-        log(f"warm-up: {tokens} tokens, {', '.join(warm)}" + (" (compiling)" if args.compile else ""))
-        for name in warm:
-            t0 = time.perf_counter()
-            if batch is None:
-                run(model, prompts[0], name, args, tokens)
-            else:
-                run_batch(model, prompts[:batch], name, args, tokens)
-            compile_s[name] = time.perf_counter() - t0
-    results = defaultdict(list, {n: list(r) for n, r in reuse.items()})  # name -> one result per prompt
+                          args.max_new_tokens, batch_size=batch, **settings(name, args))
+    compile_s = {}
+    if args.warmup and fresh:
+        compile_s = warm_up(model, [prompts[i] for i in todo[fresh[0]]], fresh, args, log)
+    results = known  # name -> one result per prompt
     reference = lambda name: results[METHODS[name][4]] if METHODS[name][4] != name else None
-    bar = tqdm(total=len(prompts) * len(fresh), unit="run", file=sys.stderr, disable=None)  # on a terminal
+    bar = tqdm(total=sum(map(len, todo.values())), unit="run", file=sys.stderr, disable=None)  # on a terminal
 
-    def add(name, i, r, ref):
+    def add(name, i, r):
         """r, the result of prompt i, checked against its reference's and logged."""
+        ref = reference(name) and reference(name)[i]
         plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
-        r.update(identical=ref is None or r["tokens"] == ref["tokens"] and torch.equal(r["logits"], ref["logits"]),
-                 ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
-        results[name].append(r)
+        same = ref is None or (r["tokens"] == ref["tokens"]
+                               and r["stats"]["logits_digest"] == ref["stats"]["logits_digest"])
+        r.update(identical=same, ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
+        results[name][i] = r
         st = r["stats"]
         log(f"[{i + 1}/{len(prompts)} {prompts[i]['category']}] {name:>10}: {st['tokens']} tokens in "
             f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
             f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
+            + (f", {st['graphs_compiled']} graphs compiled while timed" if st["graphs_compiled"] else "")
             + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
         bar.update()
+        if on_result:
+            on_result(name, i, r)
 
+    ref_tokens = lambda name, i: reference(name) and reference(name)[i]["tokens"]
     if batch is None:
         for i, prompt in enumerate(prompts):
             for name in fresh:
-                ref = reference(name) and reference(name)[i]
-                add(name, i, run(model, prompt, name, args, args.max_new_tokens, ref and ref["tokens"]), ref)
+                if results[name][i] is None:
+                    add(name, i, run(model, prompt, name, args, args.max_new_tokens, ref_tokens(name, i)))
     else:
         for name in fresh:
-            refs = reference(name)
-            recs = run_batch(model, prompts, name, args, args.max_new_tokens, refs and [r["tokens"] for r in refs])
-            for i, r in enumerate(recs):
-                add(name, i, r, refs and refs[i])
-            log(f"[batch {batch}] {name:>10}: {sum(r['stats']['tokens'] for r in recs)} tokens of {len(prompts)} "
-                f"prompts in {recs[0]['batch_s']:.2f} s ({summarize(results[name])['tok_s']:.2f} tok/s)")
+            ids = todo[name]
+            run_batch(model, [prompts[i] for i in ids], name, args, args.max_new_tokens,
+                      [ref_tokens(name, i) for i in ids], on_result=lambda j, r: add(name, ids[j], r))
+            recs = [results[name][i] for i in ids]
+            log(f"[batch {batch}] {name:>10}: {sum(r['stats']['tokens'] for r in recs)} tokens of {len(ids)} "
+                f"prompts in {max(r['batch_s'] for r in recs):.2f} s ({summarize(recs)['tok_s']:.2f} tok/s)")
     bar.close()
     return results, compile_s
+
+
+def warm_up(model, prompts, names, args, log):
+    """Before the timed runs: compiled, every graph each method's runs can meet (wfd.compile_graphs: every
+    key-block bucket up to the capacity, at its width and batch), then a run of args.warmup tokens of each
+    method (one token, the prefill alone, is the same for every method: one run touches all the weights).
+    Returns the seconds each method's warm-up took."""
+    batch, tokens, seconds = args.batch_size, args.warmup, {}
+    log(f"warm-up: {tokens} tokens, {', '.join(names if tokens > 1 else names[:1])}"
+        + (" after compiling every graph of each" if args.compile else ""))
+    for name in names:
+        t0 = time.perf_counter()
+        if args.compile:
+            s = {k: v for k, v in settings(name, args).items() if k not in ("seed", "compile")}
+            ids = prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts]
+            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch, **s)
+        if tokens > 1 or name == names[0]:
+            if batch is None:
+                run(model, prompts[0], name, args, tokens)
+            else:
+                run_batch(model, prompts[:batch], name, args, tokens)
+        seconds[name] = time.perf_counter() - t0
+    return seconds
 
 
 def decoding(args):
@@ -566,7 +623,7 @@ def print_costs(model, T, names, figs, results, args):
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
 
 
-def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv):
+def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv, resumed=0):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
     k = checks.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
@@ -585,9 +642,10 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
         by_cat[p["category"]].append(i)
     if len(by_cat) > 1 and args.batch_size is None:  # a batch's time is its call's, not a category's
         for cat, ids in by_cat.items():
-            print(f"### {cat} ({len(ids)} prompts)\n\n{table(results, names, ids)[0]}\n")
-    text, figs = table(results, names, range(len(prompts)))
-    print(f"### overall ({len(prompts)} prompts{emulated})\n\n{text}\n\n{LEGEND}"
+            print(f"### {cat} ({len(ids)} prompts)\n\n{table(results, names, ids, args.compile)[0]}\n")
+    text, figs = table(results, names, range(len(prompts)), args.compile)
+    again = f", {resumed} of them resumed from {args.out}" if resumed else ""
+    print(f"### overall ({len(prompts)} prompts{again}{emulated})\n\n{text}\n\n{LEGEND}"
           + ("" if args.batch_size is None else "\n" + figures.BATCH_LEGEND))
     if compile_s:
         print(f"\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
@@ -603,25 +661,80 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               f"reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding alone: "
               f"{wave['decode_tok_s'] / ar['decode_tok_s'] / ideal(a):.2f}); R-call ratio measured: "
               f"{ar['r_per_token'] / wave['r_per_token']:.2f}x")
+    if args.compile:
+        graphs = sum(f["graphs"] for f in figs.values())
+        print(f"\nGraphs compiled during the timed runs: {graphs}" + (
+            " (the warm-up compiled every graph they met)" if graphs == 0 else
+            ": these timings contain compiling (--warmup 0, or a graph the warm-up did not make)"))
     return figs
 
 
-def write_answers(model, model_id, names, results, args):
-    """One JSONL per method, in Spec-Bench's answer format, plus this run's counters."""
-    os.makedirs(args.out, exist_ok=True)
-    for name in names:
-        with open(os.path.join(args.out, f"{model_id}-{name}.jsonl"), "w") as f:
-            for r in results[name]:
-                p, st = r["prompt"], r["stats"]
-                text = (model.tokenizer.decode(r["tokens"]) if model.tokenizer is not None
-                        else " ".join(map(str, r["tokens"])))
-                choice = dict(index=0, turns=[text], decoding_steps=[len(r["accept_lengths"])],
-                              new_tokens=[st["tokens"]], wall_time=[r["time_s"]], accept_lengths=r["accept_lengths"])
-                f.write(json.dumps(dict(
-                    question_id=p["question_id"], category=p["category"], answer_id=uuid.uuid4().hex,
-                    model_id=f"{model_id}-{name}", choices=[choice], tstamp=time.time(),
-                    emulated_acceptance=args.acceptance,
-                    stats=finite(st)), allow_nan=False) + "\n")
+class Answers:
+    """One JSONL per method in Spec-Bench's answer format, plus each run's counters (`stats`) and what
+    its table needs (`bench`). Each answer is appended and flushed as its prompt finishes, so a run
+    cut short keeps every finished answer. Every line carries the run's fingerprint (its flags but
+    --resume and --out): with resume, the answers of an earlier run of the same command are read
+    back, the prompts answered by every method are kept and skipped, and the other lines dropped."""
+
+    def __init__(self, model, model_id, names, prompts, args):
+        self.model, self.model_id, self.names, self.prompts = model, model_id, names, prompts
+        flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("resume", "out")}
+        self.run_id = hashlib.blake2b(json.dumps([model_id, flags], default=str).encode(), digest_size=8).hexdigest()
+        self.folder, self.acceptance = args.out, args.acceptance
+        self.known = {n: [None] * len(prompts) for n in names}
+        os.makedirs(self.folder, exist_ok=True)
+        lines = {n: self.read(n) if args.resume else [] for n in names}
+        index = {p["question_id"]: i for i, p in enumerate(prompts)}
+        done = set.intersection(*({a["question_id"] for a in lines[n]} for n in names)) & index.keys()
+        self.files = {}
+        for n in names:
+            kept = [a for a in lines[n] if a["question_id"] in done]
+            for a in kept:
+                self.known[n][index[a["question_id"]]] = self.result(a, prompts[index[a["question_id"]]])
+            self.files[n] = open(self.path(n), "w")
+            self.files[n].writelines(json.dumps(a, allow_nan=False) + "\n" for a in kept)
+            self.files[n].flush()
+        self.resumed = len(done)
+
+    def path(self, name):
+        return os.path.join(self.folder, f"{self.model_id}-{name}.jsonl")
+
+    def read(self, name):
+        """The answers in name's file, each checked to be of this run."""
+        if not os.path.exists(self.path(name)):
+            return []
+        with open(self.path(name)) as f:
+            answers = [json.loads(line) for line in f if line.strip()]
+        if any(a.get("run_id") != self.run_id for a in answers):
+            raise ValueError(f"{self.path(name)} holds answers of another run (other flags or model): --resume "
+                             "continues the same command; give another --out for a new run")
+        return answers
+
+    @staticmethod
+    def result(answer, prompt):
+        """An answer read back as the result run_all made of it."""
+        nan = lambda x: float("nan") if x is None else x  # strict JSON keeps NaN as null
+        stats = {k: nan(v) if k == "acceptance" else v for k, v in answer["stats"].items()}
+        return dict(answer["bench"], decode_tok_s=nan(answer["bench"]["decode_tok_s"]), stats=stats,
+                    accept_lengths=answer["choices"][0]["accept_lengths"], prompt=prompt)
+
+    def write(self, name, _, r):
+        p, st, tok = r["prompt"], r["stats"], self.model.tokenizer
+        text = answer_text(tok, r["tokens"], st["stop_token"]) if tok is not None else " ".join(map(str, r["tokens"]))
+        choice = dict(index=0, turns=[text], decoding_steps=[len(r["accept_lengths"])], new_tokens=[st["tokens"]],
+                      wall_time=[r["time_s"]], accept_lengths=r["accept_lengths"])
+        bench = {k: r[k] for k in ("tokens", "time_s", "tok_s", "decode_tok_s", "identical", "ar_match",
+                                   "batch_id", "batch_s") if k in r}
+        f = self.files[name]
+        f.write(json.dumps(dict(question_id=p["question_id"], category=p["category"], answer_id=uuid.uuid4().hex,
+                                model_id=f"{self.model_id}-{name}", choices=[choice], tstamp=time.time(),
+                                emulated_acceptance=self.acceptance, run_id=self.run_id,
+                                stats=finite(st), bench=finite(bench)), allow_nan=False) + "\n")
+        f.flush()
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
 
 
 # -- the paper's protocol (the official code's experiments/exp2_spec_bench) ---------------------------
@@ -723,6 +836,8 @@ def main(argv=None):
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     check_sweep_args(args)
+    if args.resume and (not args.out or args.sweep or args.plot_from):
+        raise ValueError("--resume continues the answer files of a run: it needs --out, and no sweep")
     if args.plot_from:
         sweep = figures.read_sweep(args.plot_from)
         print(figures.text(sweep))
@@ -740,13 +855,23 @@ def main(argv=None):
         return sweep_main(model, model_id, names, args, argv, log)
     prompts, source = load_prompts(model, model_id, args, log)
     fix_capacity(args, prompts)
-    results, compile_s = run_all(model, prompts, names, args, log)
-    figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv)
+    answers = Answers(model, model_id, names, prompts, args) if args.out else None
+    if answers:
+        log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl, each appended as its prompt finishes"
+            + (f"; {answers.resumed} of {len(prompts)} prompts resumed" if args.resume else ""))
+    try:
+        results, compile_s = run_all(model, prompts, names, args, log, answers and answers.known,
+                                     answers and answers.write)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt("interrupted" + (f": the finished answers are in {args.out}; the same command with "
+                                                 "--resume measures the rest" if answers else "")) from None
+    finally:
+        if answers:
+            answers.close()
+    figs = print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv,
+                         answers.resumed if answers else 0)
     if args.paper:
         print_paper(model_id, figs)
-    if args.out:
-        write_answers(model, model_id, names, results, args)
-        log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl")
     return dict(names=names, figs=figs, results=results)
 
 

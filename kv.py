@@ -86,6 +86,11 @@ class KVCache:
         n = top // self.block + 1
         return min(1 << (n - 1).bit_length(), self.scratch // self.block) if bucket else n
 
+    def buckets(self):
+        """Every value span(bucket=True) can take: the powers of two below the number of blocks, and it."""
+        n = self.scratch // self.block
+        return [1 << i for i in range((n - 1).bit_length())] + [n]
+
     def prepare(self, pos, depth, span):
         """Once per call, on the device: device work only, so that a compiled call takes it in.
         pos: int64 [N], -1 for idle lanes; depth: an int (every row) or an int64 tensor [N] (one per row).

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 # the checkpoint formats live in checkpoints.py; models.load, models.save and the rest stay the API
 from checkpoints import load, load_tokenizer, read_json, resolve, save, stop_tokens  # noqa: F401
-from kv import causal_attention
+from kv import causal_attention, free_memory
 
 # a family is named by config.json's model_type (Hugging Face configs) or, for Parcae's dump of its
 # config class, by _class_name
@@ -483,6 +483,7 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
     a = ModelArgs.from_config(config)
     with torch.device("meta"):
         model = LoopedLM(a, config, state_init, seed)
+    check_fits(model, torch.device(device), dtype)
     # every tensor allocated once, in its dtype on its device: float32 first and a cast after would
     # hold both (15 GB for Huginn in bfloat16)
     model = model.to(dtype).to_empty(device=device)
@@ -500,6 +501,16 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
                 w = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
             p.data.copy_(w)
     return model.eval().requires_grad_(False)
+
+
+def check_fits(model, device, dtype):
+    """Refuse, before anything is allocated, weights that do not fit in the device's free memory."""
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise ValueError(f"the weights need {need / 2**30:.2f} GiB in {str(dtype).replace('torch.', '')}, but "
+                         f"{device} has {free / 2**30:.2f} GiB free: try a smaller dtype (--dtype bfloat16 "
+                         "halves float32), or a device with more memory")
 
 
 def check_device(device):

@@ -34,8 +34,9 @@ class Parser(argparse.ArgumentParser):
 
 def one_line_errors(main):
     """main, with every error in the user's input (arguments, files, configs, weights, devices, the hub:
-    the ValueErrors and OSErrors this project raises for them) reported as one line on stderr and
-    exit status 2. Any other exception is a bug, and keeps its traceback."""
+    the ValueErrors and OSErrors this project raises for them) and running out of memory reported as
+    one line on stderr and exit status 2, and Ctrl-C as one line and status 130. Any other exception is
+    a bug, and keeps its traceback."""
     @functools.wraps(main)
     def wrapped(argv=None):
         try:
@@ -43,7 +44,22 @@ def one_line_errors(main):
         except (ValueError, OSError) as err:
             print("error: " + " ".join(str(err).split()), file=sys.stderr)
             sys.exit(2)
+        except RuntimeError as err:
+            if not out_of_memory(err):
+                raise
+            print("error: out of memory: " + " ".join(str(err).split("\n")[0].split())[:300] + "; try a smaller "
+                  "--batch-size, --max-new-tokens or --capacity, --kv shared, or a smaller --dtype", file=sys.stderr)
+            sys.exit(2)
+        except KeyboardInterrupt as err:
+            print(str(err) or "interrupted", file=sys.stderr)
+            sys.exit(130)
     return wrapped
+
+
+def out_of_memory(err):
+    """A RuntimeError that is torch running out of device memory (CUDA's OutOfMemoryError) or host
+    memory (the CPU allocator's)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
 def check_at_least(args, **least):
@@ -188,25 +204,35 @@ def encode_text(model, text):
     return [bos] * (bos is not None) + model.tokenizer.encode(text).ids
 
 
-class TextStream:
-    """Prints the prompt, then the text of each token as it commits, decoding only the tokens since
-    the last text printed (from the one before, for context): a long answer costs the same per token
-    as a short one. A character whose bytes span several tokens decodes to U+FFFD until its last byte
-    arrives, so a piece ending in U+FFFD waits for the next token; at the end the whole text is out,
-    exactly the decode of every token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
+def answer_text(tokenizer, tokens, stop_token):
+    """The text of an answer: every token the model wrote, special ones included (a Thinking model's
+    <think> markers), as transformers decodes, but the stop token that ended it."""
+    return tokenizer.decode(tokens[:-1] if stop_token is not None else tokens, skip_special_tokens=False)
 
-    def __init__(self, tokenizer, prompt):
-        self.tokenizer, self.ids = tokenizer, list(prompt)
+
+class TextStream:
+    """Prints the prompt, then the text of each token as it commits (special tokens included, the stop
+    token left out, as answer_text), decoding only the tokens since the last text printed (from the
+    one before, for context): a long answer costs the same per token as a short one. A character
+    whose bytes span several tokens decodes to U+FFFD until its last byte arrives, so a piece ending in
+    U+FFFD waits for the next token; at the end the whole text is out, exactly the decode of every
+    token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
+
+    def __init__(self, tokenizer, prompt, stop=()):
+        self.tokenizer, self.ids, self.stop = tokenizer, list(prompt), set(stop)
         self.start = self.done = 0  # ids[start:done]: printed already, decoded again as context
         self.show(final=False)
 
     def add(self, token):
+        if token in self.stop:  # the last token: it ends the answer and is not part of its text
+            return
         self.ids.append(token)
         self.show(final=False)
 
     def show(self, final=True):
-        before = self.tokenizer.decode(self.ids[self.start:self.done])
-        text = self.tokenizer.decode(self.ids[self.start:])
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = decode(self.ids[self.start:self.done])
+        text = decode(self.ids[self.start:])
         if final or not text.endswith("\ufffd"):
             print(text[len(before):], end="\n" if final else "", flush=True)
             self.start, self.done = self.done, len(self.ids)
@@ -271,24 +297,26 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
     return "\n".join(out)
 
 
-def text_of(tok, tokens):
-    return tok.decode(tokens) if tok else tokens
+def text_of(tok, out):
+    return answer_text(tok, out.tokens, out.stats["stop_token"]) if tok else out.tokens
 
 
 def json_line(name, prompt, out, tok, **extra):
     """One generation as strict JSON: the method, extra (a prompts file's index), the prompt's ids, the
     new tokens, their text and the stats."""
     return json.dumps(dict(method=name, **extra, prompt_ids=prompt, tokens=out.tokens,
-                           text=text_of(tok, out.tokens) if tok else None, stats=finite(out.stats)), allow_nan=False)
+                           text=text_of(tok, out) if tok else None, stats=finite(out.stats)), allow_nan=False)
 
 
-def compile_runs(model, warm, longest, runs, settings, args, batch_size=None):
-    """--compile: each run's calls compiled before it is timed, by a 2-token run of `warm` (a prompt, or
-    one batch of prompts) at the same KV capacity, that of the longest prompt."""
+def compile_runs(model, prompts, runs, settings, args, batch_size=None):
+    """--compile: every graph the runs will meet compiled before they run (wfd.compile_graphs), at one KV
+    capacity, that of the longest prompt (prompts: one prompt, or a file's, decoded together)."""
+    longest = max(map(len, prompts)) if isinstance(prompts[0], list) else len(prompts)
     settings["capacity"] = longest + args.max_new_tokens - 1
+    shape = {k: v for k, v in settings.items() if k not in ("seed", "compile")}
     for _, method, width in runs:
-        wfd.generate(model, warm, min(2, args.max_new_tokens), method=method, width=width, batch_size=batch_size,
-                     **settings)
+        wfd.compile_graphs(model, prompts, args.max_new_tokens, method=method, width=width, batch_size=batch_size,
+                           **shape)
 
 
 def decode_file(args, model, method, width, settings):
@@ -303,13 +331,13 @@ def decode_file(args, model, method, width, settings):
                    batch_size=args.batch_size, **settings)
     slots, tok = min(args.batch_size or len(prompts), len(prompts)), model.tokenizer  # as generate's
     if args.compile:
-        compile_runs(model, prompts[:slots], max(map(len, prompts)), [(method, method, width)], settings, args, slots)
+        compile_runs(model, prompts, [(method, method, width)], settings, args, args.batch_size)
 
     def finish(i, out):
         if args.json:
             print(json_line(method, prompts[i], out, tok, index=i), flush=True)
         else:
-            print(f"[prompt {i}] {text_of(tok, out.tokens)}")
+            print(f"[prompt {i}] {text_of(tok, out)}")
             print(stats_line(f"{method}, prompt {i}, slot {out.stats['slot']}", out.stats), flush=True)
 
     t0 = time.perf_counter()
@@ -355,14 +383,14 @@ def main(argv=None):
     for _, method, width in runs:  # every input error out before the first line of output
         checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos, **settings)
     if args.compile:
-        compile_runs(model, prompt, len(prompt), runs, settings, args)
+        compile_runs(model, prompt, runs, settings, args)
     stream = not args.json and len(runs) == 1 and tok is not None
     results = {}
     for name, method, width in runs:
-        text = TextStream(tok, prompt) if stream else None
+        text = TextStream(tok, prompt, checks.stop_ids(eos, model.args.vocab_size)) if stream else None
         trace = [] if args.show_wavefront and method == "wfd" else None
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, width=width, eos_token_id=eos,
-                           on_token=text.add if text else None, trace=trace, keep_logits=len(runs) > 1, **settings)
+                           on_token=text.add if text else None, trace=trace, digest_logits=len(runs) > 1, **settings)
         results[name] = out
         stats = out.stats
         if args.json:
@@ -371,13 +399,13 @@ def main(argv=None):
         if text:
             text.show()
         else:
-            print(f"[{method}] {text_of(tok, out.tokens)}")
+            print(f"[{method}] {text_of(tok, out)}")
         print(stats_line(name, stats))
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str
             print(draw_wavefront(trace, out.tokens, len(prompt), stats["num_steps"], stats["draft_steps"], label))
     if len(runs) > 1 and not args.json:
-        same = lambda a, b: a.tokens == b.tokens and torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+        same = lambda a, b: a.tokens == b.tokens and a.stats["logits_digest"] == b.stats["logits_digest"]
         exact = all(same(results[a], results[b]) for a, b in (("wfd", "ar"), ("dtv", "ar-dtv")) if a in results)
         print("outputs identical to AR at the same width (tokens and logits): " + ("yes" if exact else "NO"))
         plain = results["ar1"]

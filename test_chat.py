@@ -188,9 +188,9 @@ class CountingTokenizer:
     def __init__(self, tok):
         self.tok, self.lengths = tok, []
 
-    def decode(self, ids):
+    def decode(self, ids, **kw):
         self.lengths.append(len(ids))
-        return self.tok.decode(ids)
+        return self.tok.decode(ids, **kw)
 
 
 def test_streaming_decodes_the_tail_only(capsys):

@@ -5,6 +5,7 @@ a row being one token position at one depth, through the model's three calls P (
 (advance rows by one recurrence) and C (read a token out of a row). See README.md, "The method in the
 code", "Batched decoding" and "Sampling".
 """
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import torch
+from torch._dynamo.utils import counters
 
 import kv
 import checks
@@ -158,13 +160,14 @@ class Sequence:
     each call it needs (Advance, Read); the Decoder runs the calls of all its sequences together."""
 
     def __init__(self, index, prompt, max_new_tokens, num_steps, *, key, stop, batched, draft_hook=None,
-                 on_token=None, trace=None, keep_logits=False):
+                 on_token=None, trace=None, keep_logits=False, digest_logits=False):
         self.index, self.prompt, self.max_new_tokens, self.num_steps = index, prompt, max_new_tokens, num_steps
         self.key, self.stop, self.batched = key, stop, batched  # key: seed_key of its seed
         self.draft_hook, self.on_token, self.trace = draft_hook, on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], [] if keep_logits else None
+        self.digest = hashlib.blake2b(digest_size=16) if digest_logits else None  # of every committed row
         self.starting, self.entry = None, None  # the row its next P call starts; its latest trace entry
         self.slot, self.t0 = None, None  # set by its prefill
         self.stats = dict(index=index, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0, rejected=0,
@@ -200,6 +203,8 @@ class Sequence:
         self.tokens.append(out.token)
         if self.logits is not None:  # a copy of the row: a view would keep the read's whole [lanes, V]
             self.logits.append(out.logits.clone())
+        if self.digest is not None:  # the bytes of the row: equal digests, bit-equal logits
+            self.digest.update(out.logits.cpu().numpy().tobytes())
         if self.on_token:
             self.on_token(out.token)
         if out.token in self.stop:
@@ -234,6 +239,25 @@ class Decoder:
 
     def lane(self, seq, row):
         return seq.slot * self.width + row.pos % self.width
+
+    def warm_up(self):
+        """Compiled: P, R and the read once per number of key blocks a call can read (kv.KVCache.buckets),
+        each as a call whose furthest row reaches that many blocks, so that every graph a generation of
+        this decoder can meet is compiled (three calls each: on CUDA the first warms up and the second
+        records the CUDA graph). The rows' writes land in the static cache, which every generation
+        zeroes before it starts."""
+        for blocks in self.cache.buckets():
+            top = min(blocks * self.cache.block, self.cache.capacity) - 1
+            if top < 1:  # position 0 is always the prefill's
+                continue
+            pos = torch.tensor([top] + [-1] * (self.slots * self.width - 1))
+            for _ in range(3):
+                if self.model.args.inject:
+                    self.model.P(torch.zeros(self.slots, dtype=torch.int64), pos[:self.slots], self.cache,
+                                 compiled=True)
+                self.model.R(self.s, self.e, pos, torch.zeros_like(pos), self.cache, compiled=True)
+                self.read_call(self.model, self.s, self.e, *self.model.to_device(pos, None, self.cache, True),
+                               self.sampler)
 
     def lanes(self, calls):
         """Lists [slots * width]: each (sequence, rows) row's position and depth in its lane, -1 and 0
@@ -399,11 +423,56 @@ def draft_then_verify(seq: Sequence, k: int, draft_len: int):
                 break
 
 
+class Plan(NamedTuple):
+    """generate's arguments resolved: what its Decoder and Sequences are built from."""
+    prompts: list            # lists of ids
+    batched: bool            # prompt_ids was a list of prompts
+    max_new_tokens: int
+    num_steps: int
+    draft_steps: int
+    width: int
+    window: Optional[int]
+    stop: frozenset
+    seeds: list              # one per prompt
+    slots: int
+    capacity: int
+
+
+def plan(model, prompt_ids, max_new_tokens, *, capacity=None, seed=0, batch_size=None, compile=False, **kw):
+    """checks.check_args, then the slots and the KV capacity generate runs with."""
+    prompts, max_new_tokens, T, k, width, window, stop = checks.check_args(
+        model, prompt_ids, max_new_tokens, capacity=capacity, seed=seed, batch_size=batch_size, compile=compile,
+        **kw)
+    batched = isinstance(prompts[0], list)
+    prompts = prompts if batched else [prompts]
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    slots = min(batch_size or len(prompts), len(prompts))
+    positions = max(map(len, prompts)) + max_new_tokens - 1
+    capacity = capacity or (compiled_capacity(model, positions) if compile else positions)
+    return Plan(prompts, batched, max_new_tokens, T, k, width, window, stop, seeds, slots, capacity)
+
+
+def compile_graphs(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
+                   draft_len=4, width=None, capacity=None, kv="full", window=None, temperature=0.0,
+                   top_k=None, top_p=None, batch_size=None):
+    """Compile every graph that generate(..., compile=True) with these arguments can meet, so that a
+    timed generation compiles nothing: each call at each power of two of key blocks (Decoder.warm_up).
+    Returns the number of graphs compiled (0 when they all existed)."""
+    p = plan(model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
+             draft_len=draft_len, width=width, capacity=capacity, kv=kv, window=window, temperature=temperature,
+             top_k=top_k, top_p=top_p, batch_size=batch_size, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        Decoder(model, p.slots, p.capacity, num_steps=p.num_steps, width=p.width, window=p.window,
+                sampling=Sampling(temperature, top_k, top_p), compile=True).warm_up()
+    return counters["stats"]["unique_graphs"] - graphs
+
+
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
              draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
              temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None,
              draft_hook: Callable[..., int] = None, on_token: Callable = None, on_finish: Callable = None,
-             trace: list = None, keep_logits=False, compile=False):
+             trace: list = None, keep_logits=False, digest_logits=False, compile=False):
     """Greedy or sampled decoding of one prompt, returning Generation(tokens, stats, logits), or of a
     list of prompts, returning a list of them in the prompts' order.
 
@@ -414,52 +483,50 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     with its window (README, "Exact cross-recurrence KV sharing"); temperature, top_k, top_p, seed:
     `choose` (README, "Sampling"). draft_hook(pos, token) -> token may replace each draft (tests force
     wrong drafts with it: the output must not change); on_token(token) is called as each token commits;
-    trace, a list, receives one dict per R call (run.py draws it). compile: the P, R and C calls after
-    the prefill run compiled (README, "Compiled decoding"); the first generation at each width and
-    capacity pays for compiling.
+    trace, a list, receives one dict per R call (run.py draws it). keep_logits: the committed logits
+    in Generation.logits; digest_logits: a digest of their bytes in stats["logits_digest"] instead (equal
+    digests, bit-equal logits; nothing kept). compile: the P, R and C calls after the prefill run
+    compiled (README, "Compiled decoding"); stats["graphs_compiled"] counts the graphs compiled
+    during the generation (compile_graphs beforehand makes it 0).
 
     Several prompts (README, "Batched decoding"): batch_size slots (default: one per prompt) decode
     together, prompt i in slot i % batch_size after the prompts before it there; seed may be a list,
     one per prompt; the callbacks take the prompt's index first: draft_hook(i, pos, token),
     on_token(i, token), on_finish(i, generation) as each prompt finishes; trace entries carry "index"."""
-    prompts, max_new_tokens, T, k, width, window, stop = checks.check_args(
-        model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
-        draft_len=draft_len, width=width, capacity=capacity, eos_token_id=eos_token_id, kv=kv, window=window,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)
-    batched = isinstance(prompts[0], list)
-    prompts = prompts if batched else [prompts]
-    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-    slots = min(batch_size or len(prompts), len(prompts))
-    positions = max(map(len, prompts)) + max_new_tokens - 1
-    capacity = capacity or (compiled_capacity(model, positions) if compile else positions)
-    own = (lambda f, i: f and partial(f, i)) if batched else (lambda f, i: f)  # a callback for prompt i
+    p = plan(model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps, draft_steps=draft_steps,
+             draft_len=draft_len, width=width, capacity=capacity, eos_token_id=eos_token_id, kv=kv, window=window,
+             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)
+    T, k = p.num_steps, p.draft_steps
+    own = (lambda f, i: f and partial(f, i)) if p.batched else (lambda f, i: f)  # a callback for prompt i
     schedule = dict(ar=autoregressive, wfd=partial(wavefront, k=k),
                     dtv=partial(draft_then_verify, k=k, draft_len=draft_len))[method]
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
-    generations = [None] * len(prompts)
+    generations, graphs = [None] * len(p.prompts), counters["stats"]["unique_graphs"]
 
-    def finish(seq):
+    def finish(seq, dec):
         stats, n = seq.stats, len(seq.tokens)
         wall = time.perf_counter() - seq.t0
         verified = stats["accepted"] + stats["rejected"]
         stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, tokens=n,
                      acceptance=stats["accepted"] / verified if verified else float("nan"),
                      r_calls_per_token=stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
-                     slot=seq.slot, kv_bytes=dec.cache.nbytes, kv=kv, window=window, width=width, batch_size=slots,
-                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[seq.index], compiled=compile,
-                     eos_token_ids=sorted(stop),  # the peak so far, on_finish's generation has it too
-                     peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None)
+                     slot=seq.slot, kv_bytes=dec.cache.nbytes, kv=kv, window=p.window, width=p.width,
+                     batch_size=p.slots, temperature=temperature, top_k=top_k, top_p=top_p,
+                     seed=p.seeds[seq.index], compiled=compile, eos_token_ids=sorted(p.stop),
+                     graphs_compiled=counters["stats"]["unique_graphs"] - graphs,  # so far, as the peak:
+                     peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda else None,
+                     logits_digest=seq.digest and seq.digest.hexdigest())
         generations[seq.index] = Generation(seq.tokens, stats, seq.logits)
         if on_finish:
             on_finish(seq.index, generations[seq.index])
 
     with torch.no_grad():
-        dec = Decoder(model, slots, capacity, num_steps=T, width=width, window=window,
+        dec = Decoder(model, p.slots, p.capacity, num_steps=T, width=p.width, window=p.window,
                       sampling=Sampling(temperature, top_k, top_p), compile=compile)
-        seqs = [Sequence(i, p, max_new_tokens, T, key=seed_key(seeds[i]), stop=stop, batched=batched,
+        seqs = [Sequence(i, prompt, p.max_new_tokens, T, key=seed_key(p.seeds[i]), stop=p.stop, batched=p.batched,
                          draft_hook=own(draft_hook, i), on_token=own(on_token, i), trace=trace,
-                         keep_logits=keep_logits) for i, p in enumerate(prompts)]
-        decode(dec, [seqs[b::slots] for b in range(slots)], schedule, finish)
-    return generations if batched else generations[0]
+                         keep_logits=keep_logits, digest_logits=digest_logits) for i, prompt in enumerate(p.prompts)]
+        decode(dec, [seqs[b::p.slots] for b in range(p.slots)], schedule, partial(finish, dec=dec))
+    return generations if p.batched else generations[0]
