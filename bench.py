@@ -24,7 +24,6 @@ sequence's slot taking the next prompt; --batch-sizes sweeps it.
 """
 import argparse
 import json
-import hashlib
 import math
 import os
 import random
@@ -39,13 +38,16 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
-import chat
-import checks
-import figures
 import models
 import wfd
-from run import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, answer_text, check_at_least, default_eos,
-                 encode_text, finite, one_line_errors, token_match)
+from cli import figures
+from cli.answers import Answers
+from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, one_line_errors,
+                      set_threads)
+from cli.output import finite, token_match
+from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
+from formats.checkpoints import load_tokenizer, read_json, resolve
+from runtime import checks
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
 # Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
@@ -80,50 +82,6 @@ LEGEND = """\
   graphs torch.compile made during the method's timed runs, 0 unless --warmup 0."""
 
 # -- prompts ----------------------------------------------------------------------------------------
-
-def specbench_prompts(model, path, categories, per_category, as_chat):
-    """Spec-Bench question.jsonl, first turn only: as text, or as_chat one user turn in the model's
-    chat format (chat.chat_prompt, with enable_thinking as the official protocol renders it)."""
-    if model.tokenizer is None:
-        raise ValueError("--questions needs the model's tokenizer.json")
-    prompts, taken = [], defaultdict(int)
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                q = json.loads(line)
-                cat, turn = q["category"], q["turns"][0]
-            except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise ValueError(f"{path} line {n} is not a Spec-Bench question ({type(err).__name__}: {err})") from None
-            if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
-                continue
-            taken[cat] += 1
-            turn = turn.strip()
-            ids, eos = (chat.chat_prompt(model, turn, enable_thinking=True) if as_chat else
-                        (encode_text(model, turn), default_eos(model)))
-            prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
-    return prompts
-
-
-def stdlib_prompts(model, per_file, length=48):
-    """The demo's held-out set: the first `length` tokens from each of the first `per_file` top-level
-    defs of every held-out stdlib library file (train_demo.py never trains on them; its own
-    evaluation uses the first def of each)."""
-    if model.tokenizer is None:
-        raise ValueError("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
-    from train_demo import library_split  # the held-out split is defined there
-    prompts = []
-    for rel, text in library_split()[1]:
-        for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
-            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=encode_text(model, text[m.start():])[:length], eos=default_eos(model)))
-    return prompts
-
-
-def random_prompts(model, n, length, seed):
-    """Seeded random token ids, for models without a tokenizer; no EOS, so each runs to the limit."""
-    g = random.Random(seed)
-    return [dict(question_id=i, category="random", eos=None,
-                 ids=[g.randrange(model.args.vocab_size) for _ in range(length)]) for i in range(n)]
 
 
 # -- one run ----------------------------------------------------------------------------------------
@@ -441,9 +399,9 @@ def parse_args(argv=None):
 
 def load_model(args, log):
     t0 = time.perf_counter()
-    tokenizer = args.tokenizer and models.load_tokenizer(args.tokenizer)
+    tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
     if args.random_weights:
-        config = models.read_json(args.random_weights)
+        config = read_json(args.random_weights)
         model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
         log(f"building {model_id} with random weights on {args.device} ...")
         model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"], seed=args.seed,
@@ -457,7 +415,7 @@ def load_model(args, log):
     model.tokenizer = tokenizer or model.tokenizer
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
-    models.set_threads(model, args.threads)
+    set_threads(model, args.threads)
     return model, model_id
 
 
@@ -582,9 +540,8 @@ def warm_up(model, prompts, names, args, log):
     for name in names:
         t0 = time.perf_counter()
         if args.compile:
-            s = {k: v for k, v in settings(name, args).items() if k not in ("seed", "compile")}
             ids = prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts]
-            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch, **s)
+            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch, **settings(name, args))
         if tokens > 1 or name == names[0]:
             if batch is None:
                 run(model, prompts[0], name, args, tokens)
@@ -669,74 +626,6 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     return figs
 
 
-class Answers:
-    """One JSONL per method in Spec-Bench's answer format, plus each run's counters (`stats`) and what
-    its table needs (`bench`). Each answer is appended and flushed as its prompt finishes, so a run
-    cut short keeps every finished answer. Every line carries the run's fingerprint (its flags but
-    --resume and --out): with resume, the answers of an earlier run of the same command are read
-    back, the prompts answered by every method are kept and skipped, and the other lines dropped."""
-
-    def __init__(self, model, model_id, names, prompts, args):
-        self.model, self.model_id, self.names, self.prompts = model, model_id, names, prompts
-        flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("resume", "out")}
-        self.run_id = hashlib.blake2b(json.dumps([model_id, flags], default=str).encode(), digest_size=8).hexdigest()
-        self.folder, self.acceptance = args.out, args.acceptance
-        self.known = {n: [None] * len(prompts) for n in names}
-        os.makedirs(self.folder, exist_ok=True)
-        lines = {n: self.read(n) if args.resume else [] for n in names}
-        index = {p["question_id"]: i for i, p in enumerate(prompts)}
-        done = set.intersection(*({a["question_id"] for a in lines[n]} for n in names)) & index.keys()
-        self.files = {}
-        for n in names:
-            kept = [a for a in lines[n] if a["question_id"] in done]
-            for a in kept:
-                self.known[n][index[a["question_id"]]] = self.result(a, prompts[index[a["question_id"]]])
-            self.files[n] = open(self.path(n), "w")
-            self.files[n].writelines(json.dumps(a, allow_nan=False) + "\n" for a in kept)
-            self.files[n].flush()
-        self.resumed = len(done)
-
-    def path(self, name):
-        return os.path.join(self.folder, f"{self.model_id}-{name}.jsonl")
-
-    def read(self, name):
-        """The answers in name's file, each checked to be of this run."""
-        if not os.path.exists(self.path(name)):
-            return []
-        with open(self.path(name)) as f:
-            answers = [json.loads(line) for line in f if line.strip()]
-        if any(a.get("run_id") != self.run_id for a in answers):
-            raise ValueError(f"{self.path(name)} holds answers of another run (other flags or model): --resume "
-                             "continues the same command; give another --out for a new run")
-        return answers
-
-    @staticmethod
-    def result(answer, prompt):
-        """An answer read back as the result run_all made of it."""
-        nan = lambda x: float("nan") if x is None else x  # strict JSON keeps NaN as null
-        stats = {k: nan(v) if k == "acceptance" else v for k, v in answer["stats"].items()}
-        return dict(answer["bench"], decode_tok_s=nan(answer["bench"]["decode_tok_s"]), stats=stats,
-                    accept_lengths=answer["choices"][0]["accept_lengths"], prompt=prompt)
-
-    def write(self, name, _, r):
-        p, st, tok = r["prompt"], r["stats"], self.model.tokenizer
-        text = answer_text(tok, r["tokens"], st["stop_token"]) if tok is not None else " ".join(map(str, r["tokens"]))
-        choice = dict(index=0, turns=[text], decoding_steps=[len(r["accept_lengths"])], new_tokens=[st["tokens"]],
-                      wall_time=[r["time_s"]], accept_lengths=r["accept_lengths"])
-        bench = {k: r[k] for k in ("tokens", "time_s", "tok_s", "decode_tok_s", "identical", "ar_match",
-                                   "batch_id", "batch_s") if k in r}
-        f = self.files[name]
-        f.write(json.dumps(dict(question_id=p["question_id"], category=p["category"], answer_id=uuid.uuid4().hex,
-                                model_id=f"{self.model_id}-{name}", choices=[choice], tstamp=time.time(),
-                                emulated_acceptance=self.acceptance, run_id=self.run_id,
-                                stats=finite(st), bench=finite(bench)), allow_nan=False) + "\n")
-        f.flush()
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
-
-
 # -- the paper's protocol (the official code's experiments/exp2_spec_bench) ---------------------------
 
 QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "specbench", "question.jsonl")
@@ -755,8 +644,8 @@ def paper_protocol(args):
     if args.random_weights:
         raise ValueError("--paper runs the Spec-Bench questions through a checkpoint's tokenizer: give --model, "
                          "not --random-weights")
-    folder = models.resolve(args.model)
-    kind = models.ModelArgs.from_config(models.read_json(os.path.join(folder, "config.json"))).kind
+    folder = resolve(args.model)
+    kind = models.ModelArgs.from_config(read_json(os.path.join(folder, "config.json"))).kind
     T, k, methods = PAPER[kind]
     return ["--questions", QUESTIONS, "--prompt-format", "auto", "--max-prompt-tokens", "512", "--max-new-tokens",
             "512", "--steps", str(T), "--draft-steps", str(k), "--dtype", "bfloat16", "--methods", methods]

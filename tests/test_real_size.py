@@ -17,9 +17,12 @@ import bench
 import models
 import run
 import wfd
+from cli.output import answer_text
+from runtime import memory
 from test_chat import CHATML, checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the project
 OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 slow = pytest.mark.slow
 
@@ -67,24 +70,11 @@ def test_bench_memory_does_not_grow_with_the_prompts(tmp_path):
     for n in (4, 16):
         argv = ["--random-weights", str(tmp_path / "config.json"), "--num-prompts", str(n), "--max-new-tokens", "48",
                 "--methods", "ar,wfd", "--warmup", "0", "--out", "", "--threads", "1"]
-        done = subprocess.run([sys.executable, "-c", PEAK_RSS] + argv, capture_output=True, text=True, cwd=HERE,
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS] + argv, capture_output=True, text=True, cwd=ROOT,
                               timeout=900)
         assert done.returncode == 0, done.stderr
         peak[n] = int(done.stdout.splitlines()[-1])
     assert peak[16] <= 1.1 * peak[4], peak
-
-
-def test_compiled_generations_after_compile_graphs_compile_nothing():
-    """wfd.compile_graphs compiles every key-block bucket up to the capacity; a generation that then
-    crosses two buckets compiles no graph (stats["graphs_compiled"]), and without it one does."""
-    model = models.load(OURO_A)  # no prelude: R and the read are the compiled calls
-    prompt, n_new = [5, 6, 7], 20  # positions up to 21 of 24: 1, 2 and 3 key blocks of conftest's 8
-    short = wfd.generate(model, prompt, 4, method="ar", width=2, compile=True, capacity=24)  # 1 block
-    assert short.stats["graphs_compiled"] > 0
-    assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=2, capacity=24) > 0  # 2 and 3 blocks
-    for method in ("ar", "wfd"):
-        out = wfd.generate(model, prompt, n_new, method=method, width=2, draft_steps=2, compile=True, capacity=24)
-        assert out.stats["graphs_compiled"] == 0 and out.tokens[:4] == short.tokens, method
 
 
 @slow
@@ -97,7 +87,7 @@ def test_bench_compiled_timings_contain_no_compiling(tmp_path):
     compiled = {}
     for warmup in ("2", "0"):
         out = tmp_path / f"warmup{warmup}"
-        done = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--random-weights",
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--random-weights",
                                str(tmp_path / "config.json"), "--num-prompts", "2", "--prompt-len", "8",
                                "--max-new-tokens", "300", "--methods", "ar,wfd", "--compile", "--warmup", warmup,
                                "--out", str(out), "--threads", "1"], capture_output=True, text=True, timeout=900)
@@ -125,7 +115,7 @@ def test_paper_names_the_model_from_a_hub_cache_folder(tmp_path, capsys):
 
 
 def test_weights_that_do_not_fit_are_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr(models, "free_memory", lambda device: 1000)
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(SystemExit) as exit:
         run.main(["--model", OURO_A, "--prompt-ids", "1,2"])
@@ -185,7 +175,7 @@ def test_the_text_keeps_the_special_tokens_but_the_stop(tmp_path, capsys):
     run.main(argv + ["--json"])
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line)["text"] == want and json.loads(line)["tokens"][-1] == stop
-    assert run.answer_text(tok, upto + [stop], stop) == want
+    assert answer_text(tok, upto + [stop], stop) == want
 
 
 def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
@@ -194,7 +184,7 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
     fake.chmod(0o755)
     env = dict(os.environ, PYTHON=str(fake), STEPS="huginn ouro", RESULTS=str(tmp_path / "results"))
-    done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True,
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"], capture_output=True, text=True,
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
@@ -204,14 +194,14 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
 
 
 def bench_command(out, *extra):
-    return [sys.executable, os.path.join(HERE, "bench.py"), "--model", OURO_A, "--num-prompts", "5", "--prompt-len",
+    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "5", "--prompt-len",
             "4", "--max-new-tokens", "30", "--warmup", "0", "--methods", "ar,wfd", "--threads", "1", "--out",
             str(out), *extra]
 
 
 def interrupt(cmd, ready):
     """Runs cmd, sends SIGINT once ready() holds, and returns (status, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.time() + 120
     while not ready() and p.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -228,7 +218,7 @@ def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
     lines = {n: (tmp_path / f"ouro_A-{n}.jsonl").read_text().splitlines() for n in ("ar", "ar-wave", "wfd")}
     finished = len(lines["wfd"])
     assert 1 <= finished < 5 and all(len(v) >= finished for v in lines.values())
-    done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True, cwd=HERE, timeout=300)
+    done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"### overall (5 prompts, {finished} of them resumed from " in done.stdout
     for n in ("ar", "ar-wave", "wfd"):
@@ -236,13 +226,13 @@ def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
         assert sorted(ids) == list(range(5)), n
     assert "| WFD | 4 |" in done.stdout and "| 100% |" in done.stdout
     again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "31"), capture_output=True,
-                           text=True, cwd=HERE, timeout=300)
+                           text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 2 and "holds answers of another run" in again.stderr
 
 
 def test_an_interrupted_run_py_is_one_line_and_status_130():
-    cmd = [sys.executable, os.path.join(HERE, "run.py"), "--prompt", "def f(x):", "--max-new-tokens", "200"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    cmd = [sys.executable, os.path.join(ROOT, "run.py"), "--prompt", "def f(x):", "--max-new-tokens", "200"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     assert p.stdout.read(9) == b"def f(x):"  # streaming has begun
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)

@@ -15,13 +15,15 @@ from tokenizers import Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
 import bench
-import chat
+from formats import chat
 import kv
 import models
 import run
 import wfd
+from runtime import memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the project
 CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!:'\n"
 # the special tokens where the real vocabularies have them: Ouro's first, Huginn's at the top
 SPECIAL = {"ouro": {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2},
@@ -220,7 +222,8 @@ def test_a_cache_that_does_not_fit_is_refused(monkeypatch, capsys):
         for capacity in (5, 60):
             assert kv.cache_bytes(model, capacity, 4, window) == kv.make_cache(model, capacity, 4, window).nbytes
     free = kv.cache_bytes(model, 40, 4) + 100  # room for 40 positions, not 41
-    monkeypatch.setattr(kv, "free_memory", lambda device: free)
+    monkeypatch.setattr(memory, "free_memory", lambda device: free)
+    monkeypatch.setattr(memory, "check_weights_fit", lambda *args: None)  # run.py's load: the KV cache is checked
     need = kv.cache_bytes(model, 3 + 60 - 1, 4)
     message = (f"the KV cache for 62 positions needs {need} bytes ({need / 2**30:.2f} GiB), but cpu has {free} bytes "
                "free: at most 40 positions (prompt + max_new_tokens - 1) fit")
@@ -256,7 +259,7 @@ def test_a_bf16_load_of_a_float32_checkpoint_peaks_near_the_bf16_weights(tmp_pat
     size = os.path.getsize(tmp_path / "model.safetensors")  # 38 MB of float32
     # Linux gives a page only when it is written: MALLOC_PERTURB_ has malloc write every allocation,
     # so that the peak counts a float32 copy that is allocated and never filled (on CUDA it would be real)
-    env = dict(os.environ, MALLOC_PERTURB_="165", PYTHONPATH=HERE)
+    env = dict(os.environ, MALLOC_PERTURB_="165", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path), os.path.join(HERE, "testdata", "ouro_A")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -2,8 +2,12 @@
 run.py and bench.py call check_args too, so that bad input is refused before anything is printed."""
 import math
 import numbers
+from typing import NamedTuple, Optional
 
 import torch
+
+import kv
+from runtime.sampling import Sampling
 
 
 def default_draft_steps(model, num_steps=None):
@@ -148,3 +152,41 @@ def check_prompt(model, prompt, max_new_tokens, capacity):
     if capacity is not None and not len(prompt) + max_new_tokens - 1 <= capacity <= model.args.max_seq_len:
         raise ValueError(f"capacity {capacity} must hold the prompt and the new tokens but the last "
                          f"({len(prompt) + max_new_tokens - 1}) and fit the model's context ({model.args.max_seq_len})")
+
+
+class Plan(NamedTuple):
+    """generate's arguments resolved: what its Decoder and Sequences are built from."""
+    prompts: list            # the prompts as lists of ids
+    batched: bool            # prompt_ids was a list of prompts
+    max_new_tokens: int
+    num_steps: int           # T
+    draft_steps: int         # k
+    width: int
+    window: Optional[int]
+    stop: frozenset
+    seeds: list              # one per prompt
+    slots: int
+    capacity: int            # KV positions per sequence
+    sampling: Sampling
+
+
+def plan(model, prompt_ids, max_new_tokens, *, capacity=None, seed=0, batch_size=None, compile=False,
+         temperature=0.0, top_k=None, top_p=None, **kw):
+    """check_args, then the slots (one per prompt, at most batch_size) and the KV capacity (the
+    longest prompt's positions; compiled, rounded up: compiled_capacity)."""
+    prompts, max_new_tokens, T, k, width, window, stop = check_args(
+        model, prompt_ids, max_new_tokens, capacity=capacity, seed=seed, batch_size=batch_size, compile=compile,
+        temperature=temperature, top_k=top_k, top_p=top_p, **kw)
+    batched = isinstance(prompts[0], list)
+    prompts = prompts if batched else [prompts]
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    positions = max(map(len, prompts)) + max_new_tokens - 1
+    capacity = capacity or (compiled_capacity(model, positions) if compile else positions)
+    return Plan(prompts, batched, max_new_tokens, T, k, width, window, stop, seeds,
+                min(batch_size or len(prompts), len(prompts)), capacity, Sampling(temperature, top_k, top_p))
+
+
+def compiled_capacity(model, positions):
+    """Compiled decoding's default capacity: a power of two of at least one key block, so that prompts
+    of many lengths share a few caches and their graphs (attention reads only the written blocks)."""
+    return min(model.args.max_seq_len, max(kv.BLOCK, 1 << (positions - 1).bit_length()))

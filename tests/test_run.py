@@ -18,8 +18,10 @@ import bench
 import models
 import run
 import wfd
+from formats import chat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the project
 OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 PARCAE_A = os.path.join(HERE, "testdata", "parcae_A")
 
@@ -156,7 +158,7 @@ def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prom
 
 def test_no_traceback_at_the_process_level(damaged):
     for argv in (["--prompt-ids", "a,b"], ["--prompt", "def f(x):", "--model", damaged["nan"]]):
-        p = subprocess.run([sys.executable, os.path.join(HERE, "run.py")] + argv, capture_output=True, text=True,
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py")] + argv, capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
         assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
@@ -281,5 +283,5 @@ def test_chat_formats_each_prompt(tmp_path, capsys):
     out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
     model = models.load(folder)
     for o, text in zip(out, ["hi there", "line\nbreak"]):
-        ids, stop = run.chat.chat_prompt(model, text)
+        ids, stop = chat.chat_prompt(model, text)
         assert o["prompt_ids"] == ids and o["stats"]["eos_token_ids"] == sorted(stop)

@@ -8,10 +8,11 @@ import torch
 
 import models
 import run
-import train_demo
+from demo import train as train_demo
 import wfd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the project
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,8 +24,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
-    subprocess.run([sys.executable, os.path.join(HERE, "train_demo.py"), "--smoke", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, os.path.join(ROOT, "demo", "train.py"), "--smoke", "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)
     model = models.load(str(tmp_path))
     prompt = model.tokenizer.encode("def f(x):\n    return").ids
@@ -34,7 +36,7 @@ def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo():
-    return models.load(os.path.join(HERE, "demo"))
+    return models.load(os.path.join(ROOT, "demo"))
 
 
 def test_demo_is_an_ouro_checkpoint_with_its_tokenizer(demo):
@@ -43,10 +45,11 @@ def test_demo_is_an_ouro_checkpoint_with_its_tokenizer(demo):
     assert demo.tokenizer.decode(demo.tokenizer.encode(text).ids) == text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_demo_wfd_and_dtv_equal_ar_on_held_out_prompts(dtype):
     """Tokens and logits bit for bit against AR at the same width, at every draft depth."""
-    model = models.load(os.path.join(HERE, "demo"), dtype=dtype)
+    model = models.load(os.path.join(ROOT, "demo"), dtype=dtype)
     for prompt in train_demo.eval_prompts(model.tokenizer, count=2):
         for k in (1, 2, 3):
             for method, width in (("wfd", None), ("dtv", 5)):

@@ -15,6 +15,7 @@ import wfd
 from test_chat import CHATML, checkpoint, tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the project
 HEADER = "| " + " | ".join(bench.COLUMNS) + " |"
 
 
@@ -61,7 +62,7 @@ def test_golden_checkpoint(capsys, tmp_path):
     check_answers(tmp_path, "ouro_A", out)
 
 
-@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python train_demo.py)")
+@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python demo/train.py)")
 def test_demo_stdlib_prompts(capsys, tmp_path):
     """The demo model on its built-in held-out prompt set: real text through its tokenizer."""
     out, text = run_bench(capsys, ["--limit", "3", "--max-new-tokens", "8", "--warmup", "2", "--out", str(tmp_path)])
@@ -71,10 +72,10 @@ def test_demo_stdlib_prompts(capsys, tmp_path):
     check_answers(tmp_path, "demo", out)
 
 
-@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python train_demo.py)")
+@pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python demo/train.py)")
 def test_specbench_questions(capsys):
     """Spec-Bench's questions, first turns, a table per category."""
-    questions = os.path.join(HERE, "data", "specbench", "question.jsonl")
+    questions = os.path.join(ROOT, "data", "specbench", "question.jsonl")
     out, text = run_bench(capsys, ["--questions", questions, "--categories", "qa,math_reasoning", "--per-category", "1",
                                    "--max-new-tokens", "8", "--warmup", "0", "--methods", "wfd", "--out", ""])
     assert "### qa (1 prompts)" in text and "### math_reasoning (1 prompts)" in text
@@ -119,6 +120,7 @@ def test_emulated_acceptance_extremes(capsys):
     assert "WFD none, 0% of the time" in text and "Ideal WFD speedup" not in text
 
 
+@pytest.mark.slow
 def test_compiled(capsys):
     """--compile: one KV capacity for every prompt, the warm-up compiles (and is timed apart), the
     timed runs compile nothing, the output is still exact. k = T puts every method at width 1: one
@@ -140,7 +142,7 @@ def test_gpu_check_smoke(tmp_path):
     benchmarked, exact, and AR set against the bandwidth bound; the compiled step without compiling
     in its timed runs; the batch sweep, a row per batch size; every step's results in RESULTS."""
     env = dict(os.environ, PYTHON=sys.executable, RESULTS=str(tmp_path))
-    done = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--smoke"], capture_output=True, text=True,
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"], capture_output=True, text=True,
                           env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Bandwidth bound: ") == 4 and done.stdout.count("| WFD | ") == 4
@@ -158,7 +160,7 @@ def test_real_configs():
     """The shipped real-size configs build (on the meta device: no memory) at the published sizes."""
     for name, params in (("huginn-0125", 3_564_976_800), ("ouro-2.6b", 2_667_972_608), ("parcae-140m", 144_323_136),
                          ("parcae-1.3b", 1_338_591_744)):
-        with open(os.path.join(HERE, "configs", f"{name}.json")) as f:
+        with open(os.path.join(ROOT, "configs", f"{name}.json")) as f:
             config = json.load(f)
         with torch.device("meta"):
             model = models.LoopedLM(models.ModelArgs.from_config(config), config)
@@ -330,7 +332,7 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
     assert exit_.value.code == 2
     assert err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
     # and nothing else imports it: bench.py runs without it
-    done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=HERE)
+    done = subprocess.run([sys.executable, "-c", "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=ROOT)
     assert done.returncode == 0
 
 

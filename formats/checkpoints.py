@@ -5,7 +5,7 @@ folder or the hub with every name, shape and value checked, and writing one in t
     Parcae         config.json (the dump of ParcaeConfig, named by _class_name) + pytorch_model.bin (or
                    model.pt), a torch pickle read with weights_only; its tokenizer lives in its own repo
 
-models.py re-exports load, save, read_json and load_tokenizer: models.load is the API.
+models.load and models.save are the API; this module knows the model only by its attributes.
 """
 import json
 import os
@@ -184,56 +184,59 @@ def load_tokenizer(source):
         raise ValueError(f"{path} is not a tokenizer.json that tokenizers can read: {err}") from None
 
 
-def load(source, device="cpu", dtype=None, state_init="random", seed=0):
-    """Load an Ouro, Huginn or Parcae checkpoint from a folder or hub id, tensor by tensor (a 3.5B
-    model is never in memory twice). dtype defaults to the checkpoint's. Every tensor is checked to be
-    finite: damaged weights would otherwise decode to garbage (argmax of NaN logits is token 0)."""
-    import models  # which imports this module: the model classes are looked up at call time
-    models.check_device(device)
-    folder = resolve(source)
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"no config.json in {folder}")
-    config = read_json(config_path)
-    a = models.ModelArgs.from_config(config)
-    weights = Weights(folder)
-    layout, unused, rope = checkpoint_layout(a)
-    if dtype is None:
-        embed_key = layout["embed.weight"][0][0]
-        dtype = weights.read(embed_key).dtype if embed_key in weights.keys() else torch.float32
-    model = models.from_config(config, device, dtype, state_init, seed)
-    read_chat_files(model, folder)  # before the weights: a damaged file is named in seconds
-    expected = {k for parts in layout.values() for k, _ in parts} | unused | ({rope} if rope else set())
-    missing = sorted(expected - unused - weights.keys())
-    if missing:
-        raise ValueError(f"checkpoint {folder} lacks tensor {missing[0]!r}"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    unexpected = sorted(weights.keys() - expected)
-    if unexpected:
-        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {a.kind} model of this config"
-                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    params = dict(model.named_parameters())
-    big = sum(os.path.getsize(path) for path in weights.paths) > 1e9  # worth a progress bar (on a terminal)
-    for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor", file=sys.stderr,
-                            disable=None if big else True):
-        p, row = params[name], 0
-        for key, rows in parts:
-            want = (rows or p.shape[0],) + tuple(p.shape[1:])
-            t = weights.read(key)
+class Checkpoint:
+    """A checkpoint folder (or hub id) opened: its config, and its tensors by name, read when asked for.
+    models.load builds the model of the config, then load_into fills it."""
+
+    def __init__(self, source):
+        self.folder = resolve(source)
+        path = os.path.join(self.folder, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no config.json in {self.folder}")
+        self.config = read_json(path)
+        self.weights = Weights(self.folder)
+
+    def dtype(self, a):
+        """The dtype of the checkpoint's embedding (a ModelArgs' family), float32 where it has none."""
+        key = checkpoint_layout(a)[0]["embed.weight"][0][0]
+        return self.weights.read(key).dtype if key in self.weights.keys() else torch.float32
+
+    def load_into(self, model):
+        """The chat files, the weights (every tensor checked: name, shape, finite values; damaged weights
+        would otherwise decode to garbage, as argmax of NaN logits is token 0) and the tokenizer."""
+        folder, weights, a = self.folder, self.weights, model.args
+        read_chat_files(model, folder)  # before the weights: a damaged file is named in seconds
+        layout, unused, rope = checkpoint_layout(a)
+        expected = {k for parts in layout.values() for k, _ in parts} | unused | ({rope} if rope else set())
+        missing = sorted(expected - unused - weights.keys())
+        if missing:
+            raise ValueError(f"checkpoint {folder} lacks tensor {missing[0]!r}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        unexpected = sorted(weights.keys() - expected)
+        if unexpected:
+            raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {a.kind} model of this config"
+                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        params = dict(model.named_parameters())
+        big = sum(os.path.getsize(path) for path in weights.paths) > 1e9  # worth a progress bar (on a terminal)
+        for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor", file=sys.stderr,
+                                disable=None if big else True):
+            p, row = params[name], 0
+            for key, rows in parts:
+                want = (rows or p.shape[0],) + tuple(p.shape[1:])
+                t = weights.read(key)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {want}")
+                p.data[row:row + want[0]].copy_(t)
+                row += want[0]
+        if rope:  # the stored RoPE table is what the reference uses: cos [..., 0], sin [..., 1]
+            t = weights.read(rope)
+            want = (1, a.max_seq_len, 1, a.head_dim // 2, 2)
             if tuple(t.shape) != want:
-                raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {want}")
-            p.data[row:row + want[0]].copy_(t)
-            row += want[0]
-    if rope:  # the stored RoPE table is what the reference uses: cos [..., 0], sin [..., 1]
-        t = weights.read(rope)
-        want = (1, a.max_seq_len, 1, a.head_dim // 2, 2)
-        if tuple(t.shape) != want:
-            raise ValueError(f"tensor {rope!r} has shape {tuple(t.shape)}, expected {want}")
-        model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(device) for i in (0, 1))
-    tok_path = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(tok_path):
-        model.tokenizer = load_tokenizer(tok_path)
-    return model
+                raise ValueError(f"tensor {rope!r} has shape {tuple(t.shape)}, expected {want}")
+            model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(model.device) for i in (0, 1))
+        tok_path = os.path.join(folder, "tokenizer.json")
+        if os.path.exists(tok_path):
+            model.tokenizer = load_tokenizer(tok_path)
 
 
 def _weight_files(folder):

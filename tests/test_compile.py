@@ -8,11 +8,12 @@ import torch
 from torch._dynamo.utils import counters
 
 import models
-import kv
 import wfd
 from test_wfd import DEVICE, GOLDEN, same_logits, tiny_config, tiny_model
+from runtime import compiling, memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
     model = tiny_model("huginn", 0, dtype)  # a prelude and a coda: P, R and C all compiled
@@ -41,16 +42,17 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
         assert torch.allclose(torch.stack(eager.logits), torch.stack(greedy.logits), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     """The CUDA path's Python side (mode "reduce-overhead", replay copying every output, the read's
     tuple too) in a whole generation. On a CPU inductor skips the graphs themselves, so what a GPU
     adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
-    replays, replay = [], models.replay
-    monkeypatch.setattr(models, "replay", lambda *args: replays.append(1) or replay(*args))
+    replays, replay = [], compiling.replay
+    monkeypatch.setattr(compiling, "replay", lambda *args: replays.append(1) or replay(*args))
     # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups (kv.block_attention's groups)
     model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE, init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
-    model._compiled = {fn: models.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
+    model._compiled = {fn: compiling.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):
@@ -68,6 +70,7 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     assert torch.allclose(torch.stack(eager.logits), torch.stack(ar.logits), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
     """One process, compiled WFD over 6 prompt lengths greedily and 6 seeds x 2 temperatures sampled:
     a handful of graphs (R, a greedy read, a sampled read) and one static cache, not one set per
@@ -83,11 +86,12 @@ def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
         out = wfd.generate(model, max_new_tokens=6, compile=True, **run)
         assert len(out.tokens) == 6 and out.stats["compiled"]
     assert counters["stats"]["unique_graphs"] - graphs <= 8
-    assert len(kv.STATIC_CACHES[model]) == 1
-    kv.free_static_caches(model)
-    assert model not in kv.STATIC_CACHES
+    assert len(memory.STATIC_CACHES[model]) == 1
+    memory.free_static_caches(model)
+    assert model not in memory.STATIC_CACHES
 
 
+@pytest.mark.slow
 def test_static_buffers_stay_and_cuda_graphs_are_taken():
     """A CUDA graph replays on the addresses it recorded: the static KV buffers must not move between
     generations, and inductor must not skip the graphs (on a GPU: gpu_check.sh runs this on cuda)."""
@@ -97,13 +101,14 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
         out = wfd.generate(model, prompt, 6, capacity=16, compile=True)
         assert len(out.tokens) == 6
-        (cache,) = kv.STATIC_CACHES[model].values()
+        (cache,) = memory.STATIC_CACHES[model].values()
         ptrs.append([t.data_ptr() for t in cache.buffers()])
     assert ptrs[0] == ptrs[1]
     if DEVICE == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == skips
 
 
+@pytest.mark.slow
 def test_compiled_batched_wfd_equals_compiled_batched_ar():
     """Four prompts through two slots, compiled: each prompt's tokens and logits are compiled batched
     AR's, wrong drafts forced in one prompt; and the prompts as if alone, up to rounding."""
@@ -120,3 +125,20 @@ def test_compiled_batched_wfd_equals_compiled_batched_ar():
         outs = run("wfd", k, draft_hook=lambda i, pos, token: token + 1 if i == 1 else token)
         assert all(same_logits(out, ref) for out, ref in zip(outs, ar)), k
         assert outs[1].stats["accepted"] == 0 and all(o.stats["compiled"] for o in outs)
+
+
+def test_compiled_schedules_compile_nothing_and_equal_compiled_ar():
+    """The quick suite's compiled check: after wfd.compile_graphs, compiled AR, WFD and DtV at one
+    width give the same tokens and logits in bfloat16 across three key blocks and compile no graph
+    while decoding; without it, a generation compiles."""
+    model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE, init_seed=7)
+    prompt, n_new, width = [5, 6, 7], 20, 2  # positions up to 21 of 24: 1, 2 and 3 key blocks of 8
+    run = lambda method, n=n_new, **kw: wfd.generate(model, prompt, n, method=method, width=width, capacity=24,
+                                                     keep_logits=True, compile=True, **kw)
+    assert run("ar", 4).stats["graphs_compiled"] > 0  # one key block's graphs
+    assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=width, capacity=24) > 0  # 2 and 3 blocks
+    ar = run("ar")
+    for method, k in (("wfd", -(-model.num_steps // width)), ("dtv", 1), ("dtv", 2)):
+        out = run(method, draft_steps=k, draft_len=1)
+        assert same_logits(out, ar) and out.stats["graphs_compiled"] == 0, (method, k)
+    assert ar.stats["graphs_compiled"] == 0

@@ -1,0 +1,107 @@
+"""What the commands print: an answer's text (streamed as it commits), the stats line, strict JSON,
+and the wavefront's picture."""
+import json
+import math
+
+def answer_text(tokenizer, tokens, stop_token):
+    """The text of an answer: every token the model wrote, special ones included (a Thinking model's
+    <think> markers), as transformers decodes, but the stop token that ended it."""
+    return tokenizer.decode(tokens[:-1] if stop_token is not None else tokens, skip_special_tokens=False)
+
+
+class TextStream:
+    """Prints the prompt, then the text of each token as it commits (special tokens included, the stop
+    token left out, as answer_text), decoding only the tokens since the last text printed (from the
+    one before, for context): a long answer costs the same per token as a short one. A character
+    whose bytes span several tokens decodes to U+FFFD until its last byte arrives, so a piece ending in
+    U+FFFD waits for the next token; at the end the whole text is out, exactly the decode of every
+    token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
+
+    def __init__(self, tokenizer, prompt, stop=()):
+        self.tokenizer, self.ids, self.stop = tokenizer, list(prompt), set(stop)
+        self.start = self.done = 0  # ids[start:done]: printed already, decoded again as context
+        self.show(final=False)
+
+    def add(self, token):
+        if token in self.stop:  # the last token: it ends the answer and is not part of its text
+            return
+        self.ids.append(token)
+        self.show(final=False)
+
+    def show(self, final=True):
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = decode(self.ids[self.start:self.done])
+        text = decode(self.ids[self.start:])
+        if final or not text.endswith("\ufffd"):
+            print(text[len(before):], end="\n" if final else "", flush=True)
+            self.start, self.done = self.done, len(self.ids)
+
+
+def finite(stats):
+    """The stats with NaN and inf as None: strict JSON has no NaN (AR's acceptance is undefined)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
+
+
+def token_match(tokens, reference):
+    """The share of positions where tokens equal the reference's, over the longer of the two."""
+    return sum(a == b for a, b in zip(tokens, reference)) / max(len(tokens), len(reference))
+
+
+def stats_line(method, stats):
+    acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
+    kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
+    peak = "" if stats["peak_memory_bytes"] is None else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB"
+    stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
+    return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
+            f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
+            f"{stats['tokens_per_s']:.1f} tok/s, KV {stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
+
+
+def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
+    """The (position x depth) picture of the first R calls of a WFD run: one column per R call, one
+    line per row (a position, named by the token it reads in; a rejected draft and the row that
+    replaces it get a line each), the cell holding the depth the row reached in that call.
+    tokens: the committed tokens."""
+    trace = trace[:ticks]
+    width = len(str(num_steps)) + 4
+    pending, active, lines = {}, {}, []
+    for t, tick in enumerate(trace):
+        for pos, depth in tick["rows"]:
+            if depth == 1:  # the row's first R call
+                token = pending.pop(pos) if pos in pending else tokens[pos - first_pos]
+                active[pos] = dict(name=f"#{pos - first_pos + 1:<3} {label(token)}", cells={})
+                lines.append(active[pos])
+            verdict = {tick.get("accepted"): "+", tick.get("rejected"): "x"}.get(pos, "")
+            if "rejected" in tick and pos > tick["rejected"]:
+                verdict = "-"
+            mark = ("=" if depth == num_steps else "") + verdict + ("d" if tick.get("drafted") == pos + 1 else "")
+            active[pos]["cells"][t] = f"{depth}{mark}"
+        if "drafted" in tick:
+            pending[tick["drafted"]] = tick["draft"]
+    name_w = max(len(line["name"]) for line in lines)
+    out = [" " * name_w + "  R call " + "".join(f"{t + 1:>{width}}" for t in range(len(trace)))]
+    for line in lines:
+        cells = "".join(f"{line['cells'].get(t, ''):>{width}}" for t in range(len(trace)))
+        out.append(f"{line['name']:<{name_w}}         {cells}".rstrip())
+    committed = sum(1 for tick in trace for pos, depth in tick["rows"] if depth == num_steps)
+    out += [f"One column per R call (the looped block run once over a batch of rows), one line per row:",
+            f"a new token's position, named by the token it reads in. The number is the depth that row",
+            f"reached in that call.",
+            f"  d  read at the draft depth k={k}: its token is a draft, and the next position starts at once",
+            f"  =  read at the full depth T={num_steps}: AR's token, committed; it checks the draft of the next line",
+            f"  +  this row's draft was checked and accepted",
+            f"  x  this row's draft was rejected: the row is dropped (- and the rows drafted from it), and the",
+            f"     position starts again from depth 1 with the committed token",
+            f"{committed} tokens committed in {len(trace)} R calls; AR takes {num_steps} R calls per token."]
+    return "\n".join(out)
+
+
+def text_of(tok, out):
+    return answer_text(tok, out.tokens, out.stats["stop_token"]) if tok else out.tokens
+
+
+def json_line(name, prompt, out, tok, **extra):
+    """One generation as strict JSON: the method, extra (a prompts file's index), the prompt's ids, the
+    new tokens, their text and the stats."""
+    return json.dumps(dict(method=name, **extra, prompt_ids=prompt, tokens=out.tokens,
+                           text=text_of(tok, out) if tok else None, stats=finite(out.stats)), allow_nan=False)

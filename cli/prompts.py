@@ -1,0 +1,138 @@
+"""Prompts as token ids, and the stop ids that go with them: run.py's (--prompt, --prompt-ids,
+--prompts-file, raw or as a chat turn) and bench.py's prompt sets (Spec-Bench's questions, held-out
+standard-library code, random ids). Every source adds what the family's tokenizer needs (Parcae's
+<|bos|>)."""
+import json
+import random
+import re
+from collections import defaultdict
+
+from data import stdlib
+from formats import chat
+
+def id_list(flag, text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, not {text!r}") from None
+
+
+def default_eos(model):
+    """The checkpoint's stop ids, else the tokenizer's <|eos|> (Parcae's configs name none)."""
+    eos = None if model.eos_token_ids or model.tokenizer is None else model.tokenizer.token_to_id("<|eos|>")
+    return model.eos_token_ids if eos is None else (eos,)
+
+
+def read_prompt(args, model):
+    """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end of turn)."""
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
+    if args.prompt_ids is not None:
+        prompt, eos = id_list("--prompt-ids", args.prompt_ids), default_eos(model)
+    else:
+        prompt, eos = text_prompt(args, model, args.prompt)
+    return prompt, eos if args.eos is None else id_list("--eos", args.eos)
+
+
+def text_prompt(args, model, text):
+    """A text's ids, raw or with --chat as one user turn, and the stop ids that go with them."""
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of "
+                         "--prompt (in a prompts file, .jsonl lines with prompt_ids)")
+    return chat.chat_prompt(model, text) if args.chat else (encode_text(model, text), default_eos(model))
+
+
+def file_prompt(args, model, line, jsonl):
+    """One line of --prompts-file: (ids, stop ids)."""
+    if not jsonl:
+        return text_prompt(args, model, line.rstrip("\r\n"))
+    try:
+        obj = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    keys = {"prompt", "prompt_ids"} & set(obj) if isinstance(obj, dict) else set()
+    if len(keys) != 1:
+        raise ValueError('each line must be a JSON object with "prompt" (text) or "prompt_ids" (token ids), '
+                         'one of them')
+    if "prompt" in keys:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise ValueError('"prompt" must be a non-empty string')
+        return text_prompt(args, model, obj["prompt"])
+    ids = obj["prompt_ids"]
+    if args.chat:
+        raise ValueError("--chat formats text prompts: it cannot take prompt_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError('"prompt_ids" must be a list of integers')
+    return ids, default_eos(model)
+
+
+def read_prompts(args, model):
+    """--prompts-file: (line numbers, prompts' ids, stop ids: --eos, else the prompts' own). Lines of a
+    .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
+    lines, prompts, eos = [], [], set()
+    with open(args.prompts_file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids, stop = file_prompt(args, model, line, args.prompts_file.endswith(".jsonl"))
+            except ValueError as err:
+                raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
+            lines.append(n)
+            prompts.append(ids)
+            eos.update(stop or ())  # one model, one format: every prompt brings the same stop ids
+    if not prompts:
+        raise ValueError(f"{args.prompts_file} holds no prompt (blank lines are skipped)")
+    return lines, prompts, sorted(eos) if args.eos is None else id_list("--eos", args.eos)
+
+
+def encode_text(model, text):
+    """A raw-text prompt's ids. Parcae's tokenizer adds no special token itself, and its models read
+    text after <|bos|>."""
+    bos = model.tokenizer.token_to_id("<|bos|>") if model.kind == "parcae" else None
+    return [bos] * (bos is not None) + model.tokenizer.encode(text).ids
+
+
+
+def specbench_prompts(model, path, categories, per_category, as_chat):
+    """Spec-Bench question.jsonl, first turn only: as text, or as_chat one user turn in the model's
+    chat format (chat.chat_prompt, with enable_thinking as the official protocol renders it)."""
+    if model.tokenizer is None:
+        raise ValueError("--questions needs the model's tokenizer.json")
+    prompts, taken = [], defaultdict(int)
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                q = json.loads(line)
+                cat, turn = q["category"], q["turns"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as err:
+                raise ValueError(f"{path} line {n} is not a Spec-Bench question ({type(err).__name__}: {err})") from None
+            if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
+                continue
+            taken[cat] += 1
+            turn = turn.strip()
+            ids, eos = (chat.chat_prompt(model, turn, enable_thinking=True) if as_chat else
+                        (encode_text(model, turn), default_eos(model)))
+            prompts.append(dict(question_id=q["question_id"], category=cat, ids=ids, eos=eos))
+    return prompts
+
+
+def stdlib_prompts(model, per_file, length=48):
+    """The demo's held-out set: the first `length` tokens from each of the first `per_file` top-level
+    defs of every held-out stdlib library file (demo/train.py never trains on them; its own
+    evaluation uses the first def of each)."""
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
+    prompts = []
+    for rel, text in stdlib.library_split()[1]:
+        for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
+            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
+                                ids=encode_text(model, text[m.start():])[:length], eos=default_eos(model)))
+    return prompts
+
+
+def random_prompts(model, n, length, seed):
+    """Seeded random token ids, for models without a tokenizer; no EOS, so each runs to the limit."""
+    g = random.Random(seed)
+    return [dict(question_id=i, category="random", eos=None,
+                 ids=[g.randrange(model.args.vocab_size) for _ in range(length)]) for i in range(n)]

@@ -1,0 +1,1 @@
+"""The hub's files: each family's config.json and checkpoint layout, tokenizers, chat templates."""

@@ -1,0 +1,1 @@
+"""The transformer layer that models.py loops, and its parts."""

@@ -1,0 +1,62 @@
+"""torch.compile's plumbing for compiled decoding (docs/compiling.md): each call's device work
+compiled at fixed shapes, the recompile limit raised to fit the graphs a generation may add, CUDA
+graphs replayed with their outputs copied out, and a decoder's graphs made before they are timed."""
+from functools import partial
+
+import torch
+
+
+def compiled(model, fn, room=0):
+    """fn, device work of the model, compiled once for every later generation: on CUDA a CUDA graph
+    per shape, on a CPU a C++ wrapper (quicker to enter). room: the graphs fn may still add in the
+    caller's generation."""
+    if fn not in model._compiled:
+        model._compiled[fn] = compile_call(fn, graphs=model.device.type == "cuda")
+    if room:
+        make_room(fn, room)
+    return model._compiled[fn]
+
+
+def compile_call(fn, graphs):
+    """fn compiled by torch.compile at fixed shapes; with graphs, each call replays a CUDA graph."""
+    if graphs:
+        graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        return partial(replay, graphed)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+def make_room(fn, graphs):
+    """Under fullgraph, a compile past dynamo's recompile limit raises: raise the limit, before a
+    generation, above the graphs fn has plus those the generation may add. Their number is bounded
+    by the calls' shapes (widths, caches, kv.KVCache.span's powers of two, the sampler's
+    filters)."""
+    config, n = torch._dynamo.config, len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn))
+    config.recompile_limit = max(config.recompile_limit, n + graphs)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, n + graphs)
+
+
+def replay(graphed, *args):
+    """A call of a CUDA-graphed function: its outputs live in memory that the next replay
+    overwrites, so the caller gets copies."""
+    torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
+    out = graphed(*args)
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+
+def warm_up(dec):
+    """Every graph a compiled generation of wfd.Decoder `dec` can meet: P, R and the read once for
+    each number of key blocks a call can read (kv.KVCache.buckets), as a call whose furthest row
+    reaches them; three calls each (on CUDA the first warms up and the second records the CUDA
+    graph). Their writes land in the static cache, which every generation zeroes."""
+    model, cache = dec.model, dec.cache
+    for blocks in cache.buckets():
+        top = min(blocks * cache.block, cache.capacity) - 1
+        if top < 1:  # position 0 is the prefill's
+            continue
+        pos = torch.tensor([top] + [-1] * (dec.slots * dec.width - 1))
+        for _ in range(3):
+            if model.args.inject:
+                ids = torch.zeros(dec.slots, dtype=torch.int64)
+                model.P(ids, pos[:dec.slots], cache, compiled=True)
+            model.R(dec.s, dec.e, pos, torch.zeros_like(pos), cache, compiled=True)
+            dec.read_call(model, dec.s, dec.e, model.to_device(pos, None, cache, True), dec.sampler)
