@@ -46,7 +46,8 @@ from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, c
                       set_threads)
 from cli.output import finite, token_match
 from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
-from formats.checkpoints import load_tokenizer, read_json, resolve
+from formats import checkpoints
+from formats.checkpoints import load_tokenizer, read_json
 from runtime import checks
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
@@ -629,10 +630,13 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
 # -- the paper's protocol (the official code's experiments/exp2_spec_bench) ---------------------------
 
 QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "specbench", "question.jsonl")
-PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2
+PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2. The families the
+    # paper leaves out: their own T and the default k (max(1, T // 8))
     "ouro": (4, 1, "ar,wfd"),
     "huginn": (32, 4, "ar,wfd,wfd-shared"),
     "parcae": (8, 2, "ar,wfd"),
+    "loopformer": (None, None, "ar,wfd"),
+    "retrofit": (None, None, "ar,wfd,wfd-shared"),
 }
 PAPER_SPEEDUPS = {"ouro-2.6b": {"wfd": 2.42}, "huginn-0125": {"wfd": 3.54, "wfd-shared": 4.81}}  # over AR
 
@@ -644,9 +648,11 @@ def paper_protocol(args):
     if args.random_weights:
         raise ValueError("--paper runs the Spec-Bench questions through a checkpoint's tokenizer: give --model, "
                          "not --random-weights")
-    folder = resolve(args.model)
-    kind = models.ModelArgs.from_config(read_json(os.path.join(folder, "config.json"))).kind
-    T, k, methods = PAPER[kind]
+    ckpt = checkpoints.Checkpoint(args.model)  # LoopFormer's T: from its repo id, where needed
+    a = models.ModelArgs.from_config(ckpt.config, ckpt.weights.keys())
+    T, k, methods = PAPER[a.kind]
+    T = T or a.num_steps
+    k = k or max(1, T // 8)
     return ["--questions", QUESTIONS, "--prompt-format", "auto", "--max-prompt-tokens", "512", "--max-new-tokens",
             "512", "--steps", str(T), "--draft-steps", str(k), "--dtype", "bfloat16", "--methods", methods]
 

@@ -30,10 +30,9 @@ class Step:
     col: torch.Tensor     # [N] the column each row writes: its position, or scratch for idle lanes
     span: int             # key blocks the call reads; 0: the prefill, causal among its own rows
     blocks: list          # per key block read: (k, v of every buffer row, visible [N, block])
-    seq: torch.Tensor     # [N] each row's sequence
     depth: torch.Tensor   # [N] each row's depth (0 in a call without looped layers)
-    looped: torch.Tensor  # [N] each row's buffer row of looped layer 0 at its depth (layer j: + j)
-    fixed: torch.Tensor   # [N] each row's buffer row of the first prelude / coda layer
+    first: torch.Tensor   # [N] each row's sequence's first buffer row
+    looped: torch.Tensor  # [N] first + depth * n_core: its row of looped layer 0 (layer j: + j)
     one_sequence: bool    # all rows of one sequence: keys that do not depend on depth read once
     sums: bool            # compiled: attention written out as sums (block_attention)
 
@@ -94,25 +93,26 @@ class KVCache:
         if n % self.batch:
             raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
         col = torch.where(pos < 0, self.scratch, pos)
-        seq = torch.arange(n, device=pos.device) // (n // self.batch)  # lane i's sequence
         if not torch.is_tensor(depth):
             depth = torch.full_like(pos, depth or 0)
-        first = seq * self.seq_slots
-        return Step(col, span, self.key_blocks(col, span), seq, depth, first + depth * self.n_core,
-                    first + self.depth_slots, one_sequence=self.batch == 1, sums=sums)
+        first = torch.arange(n, device=pos.device) // (n // self.batch) * self.seq_slots  # lane i's
+        looped = torch.add(first, depth, alpha=self.n_core)
+        return Step(col, span, self.key_blocks(col[:, None], span), depth, first, looped,
+                    one_sequence=self.batch == 1, sums=sums)
 
-    def key_blocks(self, col, span, buffers=None, behind=0):
-        """The blocks a call reads, (k, v, visible [N, block]): a key is visible where its column is
-        at most the row's minus `behind`. Idle lanes (col: scratch) see all: finite, and dropped."""
+    def key_blocks(self, last, span, buffers=None):
+        """The blocks a call reads, (k, v, visible [N, block]): a key is visible to a row up to the
+        column `last` [N, 1] (idle lanes, col scratch, see all: finite, and dropped)."""
         (k, v), n = buffers or (self.k, self.v), self.block
-        visible = torch.arange(span * n, device=col.device)[None] <= col[:, None] - behind
+        visible = torch.arange(span * n, device=last.device)[None] <= last
         return [(k.narrow(2, lo, n), v.narrow(2, lo, n), visible[:, lo:lo + n])
                 for lo in range(0, span * n, n)]
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
         hd]) to the visible keys of its sequence's slot for this layer at the row's depth."""
-        rows = step.looped + layer if layer < self.n_core else step.fixed + (layer - self.n_core)
+        rows = step.looped + layer if layer < self.n_core else step.first + (
+            self.depth_slots + layer - self.n_core)
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # one index_put each
         if step.span == 0:
             return causal_attention(q, k, v)
@@ -186,6 +186,7 @@ def attend_blocks(q, blocks, sums=False):
 @dataclass
 class SharedStep(Step):
     """Step, and what the shared cache's looped layers read and write (SharedKVCache.prepare)."""
+    seq: torch.Tensor = None         # [N] each row's sequence
     ring_col: torch.Tensor = None    # [N] each row's ring entry (its scratch entry: none)
     final_col: torch.Tensor = None   # [N] each row's final-depth column (at depth T - 1; scratch)
     window_col: torch.Tensor = None  # [N, window] the ring entries of positions p - window < q <= p
@@ -221,8 +222,9 @@ class SharedKVCache(KVCache):
             ring_col = torch.where(col < len(col) - self.ring, self.ring, ring_col)
         window = col[:, None] + torch.arange(1 - self.window, 1, device=col.device)  # [N, window]
         final_col = torch.where(step.depth == self.num_steps - 1, col, self.scratch)
-        older = self.key_blocks(col, span, (self.final_k, self.final_v), behind=self.window)
-        return SharedStep(**vars(step), ring_col=ring_col, final_col=final_col,
+        older = self.key_blocks(window[:, :1] - 1, span, (self.final_k, self.final_v))  # p - W
+        seq = torch.arange(len(col), device=col.device) // (len(col) // self.batch)
+        return SharedStep(**vars(step), seq=seq, ring_col=ring_col, final_col=final_col,
                           window_col=window % self.ring, window_visible=window >= 0, older=older)
 
     def attend(self, step, layer, q, k, v):

@@ -1,17 +1,22 @@
-"""Ouro, Huginn and Parcae, three looped LMs, driven through three calls (their configs and
-checkpoints are read in formats/, their transformer layer is layers/transformer.py):
+"""Five families of looped LMs, driven through three calls (their configs and checkpoints are read
+in formats/, their transformer layer is layers/transformer.py):
 
     P(ids, pos)          -> (e, s0)  embed the tokens (and run the prelude); the initial state
     R(s, e, pos, depth)  -> s        one recurrence of the weight-shared block, for rows that may
                                      sit at different positions and different depths
     C(s, e, pos)         -> logits   read a state out
 
-    Ouro     P: s0 = embed(ids)
-             R: s = norm(layers(s))                 C: lm_head(s)
-    Huginn   P: e = prelude(embed(ids) * sqrt(D)); s0 = zero or random
-             R: s = core(adapter(concat(s, e)))     C: lm_head(ln_f(coda(ln_f(s))))
-    Parcae   P: x = ln_prelude(prelude(embed(ids))); e = [softplus(dt) * (x B^T), ve]; s0 as Huginn
-             R: s = core(s * decay + e)             C: lm_head(ln_f(coda(s C^T)))
+    Ouro        P: s0 = embed(ids)
+                R: s = norm(layers(s))               C: lm_head(s)
+    Huginn      P: e = prelude(embed(ids) * sqrt(D)); s0 = zero or random
+                R: s = core(adapter(concat(s, e)))   C: lm_head(ln_f(coda(ln_f(s))))
+    Parcae      P: x = ln_prelude(prelude(embed(ids))); e = [softplus(dt) * (x B^T), ve]; s0
+                R: s = core(s * decay + e)           C: lm_head(ln_f(coda(s C^T)))
+    LoopFormer  P: s0 = embed(ids) + pos_embed(pos)
+                R: s = layers(s), each block modulated by the clock (d / T, 1 / T) of the row's
+                   depth d                           C: lm_head(norm(s)), the head tied
+    Raven       a pretrained Llama or OLMo-2 made looped: P and R as Huginn's, in Llama or OLMo-2
+    retrofits   blocks (no embedding scale)         C: lm_head(ln_f(coda(s))), the head untied
 
 e holds what a row's recurrences and read need of its token besides the state, made once by P and
 kept per lane by the decoder: Huginn's prelude output; Parcae's injection term and the token's
@@ -33,13 +38,13 @@ import torch.nn.functional as F
 
 from formats import checkpoints, configs
 from kv import KVCache, causal_attention
-from layers.transformer import Block, DiagonalInjection, rms_norm, rope_table
+from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_table
 from runtime import compiling, memory
 
 
 @dataclass
 class ModelArgs:
-    kind: str              # "ouro" or "huginn"
+    kind: str              # "ouro", "huginn", "parcae", "loopformer" or "retrofit"
     dim: int
     n_heads: int
     n_kv_heads: int
@@ -51,7 +56,7 @@ class ModelArgs:
     n_coda: int            # Huginn only; 0 for Ouro
     num_steps: int         # default full depth T
     rope_theta: float
-    norm_eps: float
+    norm_eps: float        # None: nn.RMSNorm's default, its arithmetic's epsilon (LoopFormer)
     max_seq_len: int       # length of the RoPE table: the model's context
     tie_embeddings: bool
     # what sets the families apart, decided here once, so that the forward code has no branches
@@ -64,9 +69,19 @@ class ModelArgs:
     qk_bias: bool = False  # Huginn: learned bias on q and k, added before RoPE
     init_std: float = 0.0  # Huginn, Parcae: sigma of the "like-init" initial state (x embed_scale)
     injection: str = "adapter"      # how R reads e: Huginn's adapter of concat(s, e); "diagonal"
-    sandwich: bool = True           # four norms per block; Parcae's pre-norm blocks: the input ones
+    sandwich: bool = True           # norms on the sub-layers' outputs too; Parcae, LoopFormer and
+                                    # the Llama retrofits: the input ones only
+    in_norm: bool = True            # norms on the sub-layers' inputs; the OLMo-2 retrofit: none
+    norm_weights: bool = True       # LoopFormer: the blocks' norms have no weight
     qk_norm: bool = False           # Parcae: a weightless RMS norm on q and k, after RoPE
-    gated_mlp: bool = True          # SwiGLU; Parcae: 0.5 * relu(x)^2, not gated
+    qk_proj_norm: bool = False      # OLMo-2 retrofit: weighted norms of the q and k projections
+    rope: bool = True               # LoopFormer: none (P adds learned positions)
+    rope_scaling: tuple = None      # Llama-3's (factor, low, high, original context)
+    mlp: str = "swiglu"             # layers.transformer.MLPS: Parcae "relu2", LoopFormer "gelu"
+    pos_embed: bool = False         # LoopFormer: learned positions, added by P
+    clock: bool = False             # LoopFormer: each block modulated by its row's clock
+    config_stop_ids: bool = True    # False: the configs' eos ids are absent or stale (LoopFormer,
+                                    # the retrofits): load takes the tokenizer's
     core_hidden_dim: int = 0        # MLP width of the looped layers, when not hidden_dim
     prelude_norm: bool = False      # Parcae: ln_prelude on the prelude's output
     coda_in: bool = False           # Parcae: the linear map C of the final state into the coda
@@ -77,8 +92,9 @@ class ModelArgs:
     ve_gates: tuple = ()
 
     @staticmethod
-    def from_config(c: dict) -> "ModelArgs":
-        return ModelArgs(**configs.model_args(c))
+    def from_config(c: dict, keys=None) -> "ModelArgs":
+        """keys: the checkpoint's tensor names, where known (formats.configs.raven_layout)."""
+        return ModelArgs(**configs.model_args(c, keys))
 
     @property
     def value_embeds(self):
@@ -108,7 +124,8 @@ class LoopedLM(nn.Module):
         self.tokenizer = None
         # what load() reads beside the weights: tokenizer_config.json, chat template, stop ids
         self.tokenizer_config, self.chat_template = {}, None
-        self.eos_token_ids = checkpoints.stop_tokens(self.config, "config.json")
+        stop = checkpoints.stop_tokens(self.config, "config.json")
+        self.eos_token_ids = stop if a.config_stop_ids else ()
         self._compiled = {}  # function -> its compiled version (runtime.compiling.compiled)
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # value embeddings: one table per mixing block, stacked into one [tables * V, kv width]
@@ -136,6 +153,9 @@ class LoopedLM(nn.Module):
                             if ve_blocks else None)
         # e: the injection's input, then the value embeddings of the mixing blocks
         self.inject_dim = a.dim + len(ve_blocks) * ve_dim if a.inject else 0
+        self.pos_embed = nn.Embedding(a.max_seq_len, a.dim) if a.pos_embed else None
+        self.clock = Clock(a.dim) if a.clock else None
+        self.register_buffer("modulations", None, persistent=False)  # LoopFormer's, by depth
         cos, sin = rope_table(a)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -155,6 +175,8 @@ class LoopedLM(nn.Module):
     def P(self, ids, pos, cache=None, compiled=False):
         ids = ids.to(self.device)
         x = self.embed(ids) * self.args.embed_scale  # [N, D]
+        if self.pos_embed is not None:  # LoopFormer: learned positions (idle lanes: position 0)
+            x = x + self.pos_embed(pos.clamp(min=0).to(self.device))
         if not self.args.inject:
             return None, x
         body = compiling.compiled(self, self.p_body) if compiled else self.p_body
@@ -163,7 +185,9 @@ class LoopedLM(nn.Module):
 
     def R(self, s, e, pos, depth, cache=None, compiled=False):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
-        or an int64 tensor, per row."""
+        or an int64 tensor, per row (on the host)."""
+        if self.clock is not None:
+            self.tabulate(depth)
         body = compiling.compiled(self, self.r_body) if compiled else self.r_body
         return body(s, e, self.to_device(pos, depth, cache, compiled))
 
@@ -188,7 +212,8 @@ class LoopedLM(nn.Module):
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
-        x = self._layers(self.core, x, call, self.stored_value_embeddings(e))
+        mod = None if self.clock is None else self.modulations[call.depth]  # [(N,) L, 4D]
+        x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
         x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
         return torch.where(call.pos[:, None] >= 0, x, s)
 
@@ -221,17 +246,42 @@ class LoopedLM(nn.Module):
     def stored_value_embeddings(self, e):
         return None if self.value_embed is None else e[..., self.args.dim:]
 
-    def _layers(self, blocks, x, call, ve=None):
+    def _layers(self, blocks, x, call, ve=None, mod=None):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
         p = call.pos.clamp(min=0)  # idle lanes (-1) take any RoPE row
         cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
         cache = call.cache
         step = None if cache is None else cache.prepare(call.pos, call.depth, call.span,
                                                         call.compiled)
-        for blk in blocks:
+        for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
-            x = blk(x, cos, sin, attend, ve)
+            x = blk(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])
         return x
+
+    def tabulate(self, depth=0, again=False):
+        """LoopFormer: every block's modulation (`modulation`) at depths 0.. (at least T,
+        and down to the call's deepest row), which R gathers by each row's depth: a row's bits then
+        do not depend on its call. Depth d is the d-th iteration of the full-depth schedule, t = d
+        steps of dt = 1/T summed in the model's dtype, as the official loop does; each depth is
+        computed alone, so adding depths leaves the others' bits. Made when first needed and again
+        after a change of dtype or device; again=True after the weights are changed in place."""
+        T, table = self.args.num_steps, self.modulations
+        need = max(T, 1 + (int(depth.max()) if torch.is_tensor(depth) else depth))
+        same = table is not None and (table.dtype, table.device) == (self.dtype, self.device)
+        if same and len(table) >= need and not again:
+            return
+        dt = torch.full((1,), 1 / T, dtype=self.dtype, device=self.device)
+        t, rows = torch.zeros_like(dt), []
+        for _ in range(need):
+            rows.append(self.modulation(t, dt))
+            t = t + dt
+        self.modulations = torch.cat(rows)
+
+    def modulation(self, t, dt):
+        """LoopFormer: each block's modulation at the clocks (t, dt) [B]: [B, L, 4D], per block
+        (gate_attn, gate_mlp, scale_attn, scale_mlp)."""
+        c = F.silu(self.clock(t, dt))
+        return torch.stack([blk.ada(c) for blk in self.core], dim=1)
 
     def initial_state(self, pos):
         """Huginn's and Parcae's s0. "random" draws the like-init distribution (truncated normal at
@@ -273,12 +323,13 @@ class LoopedLM(nn.Module):
 
 
 def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="random", seed=0,
-                init_seed=None):
+                init_seed=None, keys=None):
     """A model of this config. With init_seed, random weights (for tests and timing at real sizes);
     without, uninitialised memory that load() fills. The weights are refused before anything is
-    allocated when they do not fit in the device's free memory."""
+    allocated when they do not fit in the device's free memory. keys: the checkpoint's tensor
+    names, where known (load)."""
     memory.check_device(device)
-    a = ModelArgs.from_config(config)
+    a = ModelArgs.from_config(config, keys)
     with torch.device("meta"):
         model = LoopedLM(a, config, state_init, seed)
     memory.check_weights_fit(model, torch.device(device), dtype)
@@ -307,8 +358,9 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     and value checked. dtype defaults to the checkpoint's."""
     memory.check_device(device)
     ckpt = checkpoints.Checkpoint(source)
-    a = ModelArgs.from_config(ckpt.config)
-    model = from_config(ckpt.config, device, dtype or ckpt.dtype(a), state_init, seed)
+    a = ModelArgs.from_config(ckpt.config, ckpt.weights.keys())
+    model = from_config(ckpt.config, device, dtype or ckpt.dtype(a), state_init, seed,
+                        keys=ckpt.weights.keys())
     ckpt.load_into(model)
     return model
 

@@ -14,7 +14,7 @@ import wfd
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, one_line_errors,
                       set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
-from cli.prompts import read_prompt, read_prompts
+from cli.prompts import default_eos, read_prompt, read_prompts
 from formats.checkpoints import load_tokenizer
 from runtime import checks
 
@@ -105,6 +105,12 @@ def main(argv=None):
     model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
                         state_init=args.state_init, seed=args.seed)
     model.tokenizer = tokenizer or model.tokenizer
+    if not model.args.config_stop_ids and args.eos is None and not default_eos(model):
+        # LoopFormer's configs name no stop id, the retrofits' stale ones: the tokenizer's is the one
+        problem = ("has no tokenizer.json: give --tokenizer" if model.tokenizer is None else
+                   "has a tokenizer without an eos token")
+        raise ValueError(f"{args.model} {problem} (a {model.kind} model's stop id comes from its "
+                         "tokenizer), or the stop ids with --eos")
     set_threads(model, args.threads)
     settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len, kv=args.kv,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

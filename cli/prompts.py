@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from data import stdlib
 from formats import chat
+from formats.checkpoints import tokenizer_stop_ids
 
 def id_list(flag, text):
     try:
@@ -18,9 +19,14 @@ def id_list(flag, text):
 
 
 def default_eos(model):
-    """The checkpoint's stop ids, else the tokenizer's <|eos|> (Parcae's configs name none)."""
-    eos = None if model.eos_token_ids or model.tokenizer is None else model.tokenizer.token_to_id("<|eos|>")
-    return model.eos_token_ids if eos is None else (eos,)
+    """The checkpoint's stop ids; where its configs name none, the tokenizer's (LoopFormer's and the
+    retrofits': its eos_token or <|endoftext|>; Parcae's: <|eos|>)."""
+    if model.eos_token_ids or model.tokenizer is None:
+        return model.eos_token_ids
+    if not model.args.config_stop_ids:
+        return tokenizer_stop_ids(model)
+    eos = model.tokenizer.token_to_id("<|eos|>")
+    return () if eos is None else (eos,)
 
 
 def read_prompt(args, model):

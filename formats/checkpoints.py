@@ -1,7 +1,10 @@
 """The checkpoint formats: where each family keeps its tensors (layouts), reading a checkpoint from a
 folder or the hub with every name, shape and value checked, and writing one in the official layout.
 
-    Ouro, Huginn   config.json (model_type) + safetensors (one file or shards with an index)
+    Ouro, Huginn   config.json (model_type) + safetensors (one file or shards with an index); the
+                   Raven retrofits share Huginn's model_type and names, told apart by their tensors
+    LoopFormer     the same, its keys prefixed `gpt.`; its config leaves out the sizes (defaults) and
+                   the iteration count (the repo id's)
     Parcae         config.json (the dump of ParcaeConfig, named by _class_name) + pytorch_model.bin (or
                    model.pt), a torch pickle read with weights_only; its tokenizer lives in its own repo
 
@@ -19,12 +22,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from formats import configs
+
 NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")  # Block's, in the checkpoints' order
 PICKLES = ("pytorch_model.bin", "model.pt")  # Parcae's weights: the hub's file name, then its repo's
 
 
 def _blocks(a):
-    """(our prefix, the checkpoint's prefix) of every block of Huginn and Parcae, prelude first."""
+    """(our prefix, the checkpoint's prefix) of every block of Huginn, the retrofits and Parcae,
+    prelude first."""
     groups = (("prelude", "prelude", a.n_prelude), ("core", "core_block", a.n_core), ("coda", "coda", a.n_coda))
     return [(f"{ours}.{i}.", f"transformer.{theirs}.{i}.") for ours, theirs, n in groups for i in range(n)]
 
@@ -49,7 +55,10 @@ def checkpoint_layout(a):
         layout["embed.weight"] = [("model.embed_tokens.weight", None)]
         layout["norm"] = [("model.norm.weight", None)]
         unused, rope = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}, None  # always full depth
-    elif a.kind == "huginn":
+    elif a.kind in ("huginn", "retrofit"):
+        # the block's norms in order are the checkpoint's norm_1, norm_2, ...: Huginn's four, a
+        # Llama retrofit's input norms, an OLMo-2 retrofit's output norms
+        norms = [n for n, on in zip(NORMS, (a.in_norm, a.sandwich) * 2) if on]
         for dst, src in _blocks(a):
             layout[dst + "qkv.weight"] = [(src + "attn.Wqkv.weight", None)]
             layout[dst + "proj.weight"] = [(src + "attn.proj.weight", None)]
@@ -57,11 +66,18 @@ def checkpoint_layout(a):
             layout[dst + "down.weight"] = [(src + "mlp.proj.weight", None)]
             if a.qk_bias:
                 layout[dst + "qk_bias"] = [(src + "attn.qk_bias", None)]
-            for n, ours in enumerate(NORMS, 1):
+            if a.qk_proj_norm:
+                layout[dst + "q_norm"] = [(src + "attn.q_norm.weight", None)]
+                layout[dst + "k_norm"] = [(src + "attn.k_norm.weight", None)]
+            for n, ours in enumerate(norms, 1):
                 layout[dst + ours] = [(src + f"norm_{n}.weight", None)]
         layout["embed.weight"] = [("transformer.wte.weight", None)]
         layout["adapter.weight"] = [("transformer.adapter.weight", None)]
         layout["norm"] = [("transformer.ln_f.weight", None)]
+        rope = "freqs_cis" if a.kind == "huginn" else None  # the retrofits compute theirs
+    elif a.kind == "loopformer":
+        _loopformer_layout(a, layout)
+        unused, rope = {"gpt.lm_head.weight"}, None  # the tied head, should a file hold it
     else:
         _parcae_layout(a, layout, unused)
     if a.tie_embeddings:  # Huginn's and Parcae's files hold the tied head a second time
@@ -69,6 +85,22 @@ def checkpoint_layout(a):
     else:
         layout["lm_head.weight"] = [("lm_head.weight", None)]
     return layout, unused, rope
+
+
+def _loopformer_layout(a, layout):
+    for j in range(a.n_core):
+        src, dst = f"gpt.transformer.h.blocks.{j}.", f"core.{j}."
+        for ours, theirs in (("qkv", "attn.c_attn"), ("proj", "attn.c_proj"), ("fc", "mlp.c_fc"),
+                             ("down", "mlp.c_proj"), ("ada", "adaLN_modulation.1")):
+            layout[f"{dst}{ours}.weight"] = [(f"{src}{theirs}.weight", None)]
+        layout[dst + "ada.bias"] = [(src + "adaLN_modulation.1.bias", None)]
+    layout["embed.weight"] = [("gpt.transformer.wte.weight", None)]
+    layout["pos_embed.weight"] = [("gpt.transformer.wpe.weight", None)]
+    layout["norm"] = [("gpt.transformer.norm_f.weight", None)]
+    for ours, theirs in (("time", "time_embedder"), ("step", "dt_embedder")):
+        for i in (0, 2):  # the MLP is (Linear, SiLU, Linear)
+            for p in ("weight", "bias"):
+                layout[f"clock.{ours}.{i}.{p}"] = [(f"gpt.{theirs}.mlp.{i}.{p}", None)]
 
 
 def _parcae_layout(a, layout, unused):
@@ -165,8 +197,18 @@ def read_chat_files(model, folder):
     model.chat_template = template
     path = os.path.join(folder, "generation_config.json")
     generation = read_json(path) if os.path.exists(path) else {}
-    if "eos_token_id" in generation:
+    if "eos_token_id" in generation and model.args.config_stop_ids:
         model.eos_token_ids = stop_tokens(generation, path)
+
+
+def tokenizer_stop_ids(model):
+    """The stop id of a checkpoint whose configs name none (LoopFormer) or stale ones (the
+    retrofits carry huginn-0125's, of another vocabulary): tokenizer_config.json's eos_token, else
+    GPT-2's <|endoftext|> (LoopFormer's tokenizer, OLMo-2's), as the tokenizer spells it."""
+    eos = model.tokenizer_config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    ids = [model.tokenizer.token_to_id(t) for t in (eos, "<|endoftext|>") if isinstance(t, str)]
+    return tuple(i for i in ids if i is not None)[:1]
 
 
 def load_tokenizer(source):
@@ -194,7 +236,10 @@ class Checkpoint:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json in {self.folder}")
         self.config = read_json(path)
-        self.weights = Weights(self.folder)
+        if self.config.get("model_type") == "loopformer" and "max_model_loops" not in self.config:
+            loops = configs.iterations_in_name(source, self.folder)  # else the default, 8
+            self.config = dict(self.config, **{"max_model_loops": loops} if loops else {})
+        self.weights = Weights(self.folder)  # its names tell huginn-0125 from a retrofit
 
     def dtype(self, a):
         """The dtype of the checkpoint's embedding (a ModelArgs' family), float32 where it has none."""
@@ -237,6 +282,8 @@ class Checkpoint:
         tok_path = os.path.join(folder, "tokenizer.json")
         if os.path.exists(tok_path):
             model.tokenizer = load_tokenizer(tok_path)
+            if not a.config_stop_ids:
+                model.eos_token_ids = tokenizer_stop_ids(model)
 
 
 def _weight_files(folder):
@@ -338,7 +385,7 @@ def save(model, folder):
         tensors["model.early_exit_gate.bias"] = torch.zeros(1, dtype=model.dtype)
     if rope:
         tensors[rope] = torch.stack([model.rope_cos, model.rope_sin], -1)[None, :, None].cpu()
-    if model.args.tie_embeddings and model.kind != "ouro":
+    if model.args.tie_embeddings and model.kind in ("huginn", "parcae"):
         # the official files hold the tied head twice: Parcae's one tensor under both names; safetensors,
         # which refuses shared tensors, a copy
         wte = tensors["transformer.wte.weight"]

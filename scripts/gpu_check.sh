@@ -4,7 +4,7 @@
 # matters most; each writes its results to RESULTS (default gpu_results/) as it completes, and a step
 # whose estimate no longer fits the time left is skipped (named on stderr), so a run cut short keeps
 # what it measured. Estimates at real size on an H200 (not yet measured: no GPU has been lent):
-#   1 tests      the decoding tests on cuda (WFD_TEST_DEVICE=cuda: eager decoding on SDPA's fused
+#   1 tests      the quick decoding tests on cuda (WFD_TEST_DEVICE=cuda: eager decoding on SDPA's fused
 #                kernels, CUDA graphs taken, static KV buffers kept, compiled == AR)         ~180 s
 #   2 huginn     huginn-0125 config, random weights, bf16, emulated acceptance 0.94, AR and WFD,
 #                1 prompt of 8 tokens, 128 new tokens, eager (weights built on the GPU)      ~60 s
@@ -14,20 +14,20 @@
 #   6 batch      the batch sweep (--batch-sizes 1,2,4,8) on huginn-0125, compiled, 8 prompts ~300 s
 #   7 parcae     parcae-1.3b, eager, acceptance 0.9                                          ~60 s
 # A compiled step fails when its timed runs compiled any graph (bench.py's graphs_compiled).
-#   ./gpu_check.sh                     the steps above; STEPS="huginn ouro" ./gpu_check.sh runs those
-#   ./gpu_check.sh --smoke             the bench steps on the CPU on the tiny golden configs, in seconds
-#                                      (compiled ones included): test_bench.py runs it
+#   scripts/gpu_check.sh               the steps above (STEPS="huginn ouro": those alone)
+#   scripts/gpu_check.sh --smoke       the bench steps on the CPU on the tiny golden configs, in
+#                                      seconds (the compiled one included): tests/test_bench.py
 #   PYTHON=/path/to/python             the interpreter (default: python)
 #   PAPER_MODELS="DIR ..."             last, bench.py --paper --per-category 1 on those checkpoints
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the project
 PY=${PYTHON:-python}
 RESULTS=${RESULTS:-gpu_results}
 start=$SECONDS failed=0
 if [ "${1:-}" = --smoke ]; then
     BUDGET_S=${BUDGET_S:-100000}
-    device=cpu new=6 huginn=testdata/huginn_A/config.json ouro=testdata/ouro_A/config.json
-    parcae=testdata/parcae_A/config.json batches=1,2 steps=${STEPS:-huginn ouro huginn-c batch parcae}
+    device=cpu new=6 huginn=tests/testdata/huginn_A/config.json ouro=tests/testdata/ouro_A/config.json
+    parcae=tests/testdata/parcae_A/config.json batches=1,2 steps=${STEPS:-huginn ouro huginn-c batch parcae}
 else
     device=cuda new=128 huginn=configs/huginn-0125.json ouro=configs/ouro-2.6b.json
     parcae=configs/parcae-1.3b.json batches=1,2,4,8 steps=${STEPS:-tests huginn ouro huginn-c ouro-c batch parcae}
@@ -79,7 +79,8 @@ sys.exit(compiled != 0 or not answers)'
 
 for s in $steps; do
     case $s in
-        tests) step tests 180 env WFD_TEST_DEVICE=cuda "$PY" -m pytest -q -x test_wfd.py test_sampling.py test_compile.py ;;
+        tests) step tests 180 env WFD_TEST_DEVICE=cuda "$PY" -m pytest -q -x test_wfd.py \
+                   tests/test_sampling.py tests/test_compile.py tests/test_families.py ;;
         huginn) bench huginn 60 "$huginn" 0.94 ;;
         ouro) bench ouro 60 "$ouro" 0.92 ;;
         huginn-c | ouro-c)

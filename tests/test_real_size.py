@@ -188,7 +188,7 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == 2 and all(c.startswith("bench.py --random-weights testdata/") for c in calls)
+    assert len(calls) == 2 and all(c.startswith("bench.py --random-weights tests/testdata/") for c in calls)
     assert (tmp_path / "results" / "steps.txt").read_text().splitlines() == ["huginn: exit 0 in 0 s",
                                                                              "ouro: exit 0 in 0 s"]
 
