@@ -194,8 +194,8 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
 
 
 def bench_command(out, *extra):
-    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "5", "--prompt-len",
-            "4", "--max-new-tokens", "30", "--warmup", "0", "--methods", "ar,wfd", "--threads", "1", "--out",
+    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "3", "--prompt-len",
+            "4", "--max-new-tokens", "20", "--warmup", "0", "--methods", "ar,wfd", "--threads", "1", "--out",
             str(out), *extra]
 
 
@@ -217,15 +217,15 @@ def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
     assert err.splitlines()[-1].startswith("interrupted: the finished answers are in ")
     lines = {n: (tmp_path / f"ouro_A-{n}.jsonl").read_text().splitlines() for n in ("ar", "ar-wave", "wfd")}
     finished = len(lines["wfd"])
-    assert 1 <= finished < 5 and all(len(v) >= finished for v in lines.values())
+    assert 1 <= finished < 3 and all(len(v) >= finished for v in lines.values())
     done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert f"### overall (5 prompts, {finished} of them resumed from " in done.stdout
+    assert f"### overall (3 prompts, {finished} of them resumed from " in done.stdout
     for n in ("ar", "ar-wave", "wfd"):
         ids = [json.loads(line)["question_id"] for line in (tmp_path / f"ouro_A-{n}.jsonl").open()]
-        assert sorted(ids) == list(range(5)), n
+        assert sorted(ids) == list(range(3)), n
     assert "| WFD | 4 |" in done.stdout and "| 100% |" in done.stdout
-    again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "31"), capture_output=True,
+    again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "21"), capture_output=True,
                            text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 2 and "holds answers of another run" in again.stderr
 
