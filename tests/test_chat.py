@@ -254,9 +254,9 @@ def test_a_bf16_load_of_a_float32_checkpoint_peaks_near_the_bf16_weights(tmp_pat
     with open(os.path.join(HERE, "testdata", "ouro_A", "config.json")) as f:
         config = json.load(f)
     config.update(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64, intermediate_size=1024,
-                  num_hidden_layers=8, layer_types=["full_attention"] * 8, vocab_size=2048)
+                  num_hidden_layers=16, layer_types=["full_attention"] * 16, vocab_size=2048)
     models.save(models.from_config(config, init_seed=0), tmp_path)
-    size = os.path.getsize(tmp_path / "model.safetensors")  # 38 MB of float32
+    size = os.path.getsize(tmp_path / "model.safetensors")  # 72 MB of float32
     # Linux gives a page only when it is written: MALLOC_PERTURB_ has malloc write every allocation,
     # so that the peak counts a float32 copy that is allocated and never filled (on CUDA it would be real)
     env = dict(os.environ, MALLOC_PERTURB_="165", PYTHONPATH=ROOT)
@@ -264,4 +264,6 @@ def test_a_bf16_load_of_a_float32_checkpoint_peaks_near_the_bf16_weights(tmp_pat
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     peak = int(done.stdout)
-    assert size / 2 <= peak <= 0.75 * size, (peak, size)
+    # the bf16 weights are size / 2; a float32 model cast after, or the whole file read first, peaks at
+    # size or more; what is left between is the allocator's own slack (5-10 MB, machine-dependent)
+    assert size / 2 <= peak <= 0.8 * size, (peak, size)
