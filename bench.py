@@ -606,7 +606,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     print(f"### overall ({len(prompts)} prompts{again}{emulated})\n\n{text}\n\n{LEGEND}"
           + ("" if args.batch_size is None else "\n" + figures.BATCH_LEGEND))
     if compile_s:
-        print(f"\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
+        print("\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
               "finds its graphs)" if args.compile else "") + ": "
               + ", ".join(f"{METHODS[n][3]} {t:.1f} s" for n, t in compile_s.items()))
     if args.batch_size is None:
@@ -663,7 +663,7 @@ def print_paper(model_id, figs):
     if paper is None:
         print(f"\nThe paper reports no Spec-Bench speedup for {model_id}.")
         return
-    print(f"\nSpeedup over AR, the paper's (Ha & Kim, on its GPU) beside ours: " + "; ".join(
+    print("\nSpeedup over AR, the paper's (Ha & Kim, on its GPU) beside ours: " + "; ".join(
         f"{METHODS[n][3]} {x:.2f}x (ours {figs[n]['tok_s'] / figs['ar']['tok_s']:.2f}x)" if n in figs else
         f"{METHODS[n][3]} {x:.2f}x (ours: not run)" for n, x in paper.items()))
 

@@ -619,12 +619,12 @@ def test_a_collection_of_stop_ids_stops_at_the_first_of_them(kind, seed):
         shared = wfd.generate(model, prompt, 20, method="ar", draft_steps=k, kv="shared").tokens  # its own AR
         absent = next(t for t in range(V) if t not in ref + shared)
         for (i, j), form in zip(((0, 3), (12, 4), (16, 7)), (list, tuple, set)):
-            for method, hook, kv, want in (("ar", None, "full", ref), ("wfd", None, "full", ref),
+            for method, hook, sharing, want in (("ar", None, "full", ref), ("wfd", None, "full", ref),
                                            ("wfd", lambda p, t: at(p), "full", ref),
                                            ("dtv", lambda p, t: at(p), "full", ref), ("wfd", None, "shared", shared)):
                 eos = form([absent, want[i], want[j]])
                 first = min(p for p, t in enumerate(want) if t in eos)
-                out = exact(model, prompt, 20, method, k, draft_len=3, eos_token_id=eos, draft_hook=hook, kv=kv)
+                out = exact(model, prompt, 20, method, k, draft_len=3, eos_token_id=eos, draft_hook=hook, kv=sharing)
                 assert out.tokens == want[:first + 1] and out.stats["stop_token"] == want[first], (method, k, eos)
     out = wfd.generate(model, prompt, 20, draft_steps=k, eos_token_id=absent)
     assert out.tokens == ref and out.stats["stop_token"] is None and out.stats["eos_token_ids"] == [absent]

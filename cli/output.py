@@ -84,14 +84,14 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
         cells = "".join(f"{line['cells'].get(t, ''):>{width}}" for t in range(len(trace)))
         out.append(f"{line['name']:<{name_w}}         {cells}".rstrip())
     committed = sum(1 for tick in trace for pos, depth in tick["rows"] if depth == num_steps)
-    out += [f"One column per R call (the looped block run once over a batch of rows), one line per row:",
-            f"a new token's position, named by the token it reads in. The number is the depth that row",
-            f"reached in that call.",
+    out += ["One column per R call (the looped block run once over a batch of rows), one line per row:",
+            "a new token's position, named by the token it reads in. The number is the depth that row",
+            "reached in that call.",
             f"  d  read at the draft depth k={k}: its token is a draft, and the next position starts at once",
             f"  =  read at the full depth T={num_steps}: AR's token, committed; it checks the draft of the next line",
-            f"  +  this row's draft was checked and accepted",
-            f"  x  this row's draft was rejected: the row is dropped (- and the rows drafted from it), and the",
-            f"     position starts again from depth 1 with the committed token",
+            "  +  this row's draft was checked and accepted",
+            "  x  this row's draft was rejected: the row is dropped (- and the rows drafted from it), and the",
+            "     position starts again from depth 1 with the committed token",
             f"{committed} tokens committed in {len(trace)} R calls; AR takes {num_steps} R calls per token."]
     return "\n".join(out)
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
