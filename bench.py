@@ -4,19 +4,20 @@ Every prompt is decoded by every method (after a warm-up); each output is checke
 for token; a markdown table per category and overall is printed, and one JSONL of answers per method
 is written in Spec-Bench's answer format.
 
-    python bench.py                                              # demo model, held-out stdlib prompts
+    python bench.py                                       # demo model, held-out stdlib prompts
     python bench.py --model PATH --questions data/specbench/question.jsonl --per-category 10
     python bench.py --random-weights configs/huginn-0125.json --acceptance 0.94 --max-new-tokens 8
     python bench.py --paper --model ByteDance/Ouro-2.6B --device cuda         # the paper's protocol
-    python bench.py --sweep acceptance --plot acc.png             # a row per point, sweep-acceptance.json
-    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png   # saved points again
-    python bench.py --batch-size 4                                # every method, 4 sequences at a time
-    python bench.py --random-weights configs/ouro-2.6b.json --acceptance 0.9 --num-prompts 8 --batch-sizes 1,2,4,8
+    python bench.py --sweep acceptance --plot acc.png     # a row per point, sweep-acceptance.json
+    python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png  # saved points again
+    python bench.py --batch-size 4                        # every method, 4 sequences at a time
+    python bench.py --random-weights configs/ouro-2.6b.json --acceptance 0.9 --num-prompts 8
+        --batch-sizes 1,2,4,8
 
 --random-weights builds a model of that config with random weights (real sizes without the real
 weights). --acceptance A makes each draft right with probability A, from a seeded Bernoulli stream:
-the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs and
-the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
+the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs
+and the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
 each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
 --plot draws one with matplotlib, an optional dependency (figures.py: the table and the figure).
 --batch-size B decodes the prompt set through B slots in one batched call per method, a finished
@@ -42,17 +43,17 @@ import models
 import wfd
 from cli import figures
 from cli.answers import Answers
-from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least, one_line_errors,
-                      set_threads)
+from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
+                      one_line_errors, set_threads)
 from cli.output import finite, token_match
 from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
 from formats.checkpoints import load_tokenizer, read_json
 from runtime import checks
 
-# name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must equal).
-# Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision"); plain AR,
-# one row per call, is the speed baseline.
+# name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must
+# equal). Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision");
+# plain AR, one row per call, is the speed baseline.
 METHODS = {
     "ar": ("ar", "full", 1, "AR", "ar"),
     "ar-wave": ("ar", "full", "wave", "AR, wavefront width", "ar-wave"),
@@ -82,33 +83,36 @@ LEGEND = """\
   in reduced precision may part from the others at a near tie. graphs compiled (--compile): the
   graphs torch.compile made during the method's timed runs, 0 unless --warmup 0."""
 
-# -- prompts ----------------------------------------------------------------------------------------
+# -- prompts ---------------------------------------------------------------------------------------
 
 
-# -- one run ----------------------------------------------------------------------------------------
+# -- one run ---------------------------------------------------------------------------------------
 
 def settings(name, args):
     """wfd.generate's settings for one of METHODS."""
     method, kv, width, _, _ = METHODS[name]
-    return dict(method=method, kv=kv, width=dict(wave=None, dtv=args.draft_len + 1).get(width, width),
+    return dict(method=method, kv=kv,
+                width=dict(wave=None, dtv=args.draft_len + 1).get(width, width),
                 num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
-                capacity=args.capacity, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed, compile=args.compile)
+                capacity=args.capacity, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, compile=args.compile)
 
 
 def draft_emulator(model, prompt, name, args, ref):
-    """One prompt's draft hook, and the drafts it let through (position -> the last draft for it, the
-    one its verify compares). With args.acceptance, each draft becomes ref's token with that
-    probability and a wrong token otherwise (ref: the reference run's tokens), from a stream seeded by
-    the prompt and the method: the same draws whether the prompt runs alone or in a batch."""
+    """One prompt's draft hook, and the drafts it let through (position -> the last draft for it,
+    the one its verify compares). With args.acceptance, each draft becomes ref's token with that
+    probability and a wrong token otherwise (ref: the reference run's tokens), from a stream seeded
+    by the prompt and the method: the same draws whether the prompt runs alone or in a batch."""
     offset, vocab = len(prompt["ids"]), model.args.vocab_size
     rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
     drafts = {}
 
     def hook(pos, token):
         i = pos - offset
-        if args.acceptance is not None and ref is not None and i < len(ref):  # past ref's EOS: never committed
-            token = ref[i] if rng.random() < args.acceptance else (ref[i] + rng.randrange(1, vocab)) % vocab
+        # past ref's EOS: never committed
+        if args.acceptance is not None and ref is not None and i < len(ref):
+            token = (ref[i] if rng.random() < args.acceptance
+                     else (ref[i] + rng.randrange(1, vocab)) % vocab)
         drafts[pos] = token
         return token
     return hook, drafts
@@ -116,8 +120,9 @@ def draft_emulator(model, prompt, name, args, ref):
 
 def record(out, prompt, drafts, times, time_s):
     """One prompt's result: its Generation's figures, its rounds and its speeds. times: the clock at
-    each token's commit; time_s: the prompt's time, prefill included. Its logits are kept as the digest
-    in its stats (stats["logits_digest"]), so that a run's memory does not grow with its prompts."""
+    each token's commit; time_s: the prompt's time, prefill included. Its logits are kept as the
+    digest in its stats (stats["logits_digest"]), so that a run's memory does not grow with
+    its prompts."""
     tokens, offset = out.tokens, len(prompt["ids"])
     # a committed token is an accepted draft iff it equals the last draft for its position; each
     # other token (the prefill's, a correction, a bonus) opens a round
@@ -128,8 +133,8 @@ def record(out, prompt, drafts, times, time_s):
         else:
             lengths.append(1)
     decode = (len(tokens) - 1) / (times[-1] - times[0]) if len(tokens) > 1 else float("nan")
-    return dict(tokens=tokens, stats=out.stats, accept_lengths=lengths, time_s=time_s, tok_s=len(tokens) / time_s,
-                decode_tok_s=decode)
+    return dict(tokens=tokens, stats=out.stats, accept_lengths=lengths, time_s=time_s,
+                tok_s=len(tokens) / time_s, decode_tok_s=decode)
 
 
 def run(model, prompt, name, args, max_new_tokens, ref=None):
@@ -137,36 +142,41 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     hook, drafts = draft_emulator(model, prompt, name, args, ref)
     clock, times = CLOCKS[args.clock], []
     start = clock()
-    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"], draft_hook=hook,
-                       on_token=lambda t: times.append(clock()), digest_logits=True, **settings(name, args))
+    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"],
+                       draft_hook=hook, on_token=lambda t: times.append(clock()),
+                       digest_logits=True, **settings(name, args))
     return record(out, prompt, drafts, times, clock() - start)
 
 
 def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=None):
-    """Decode the prompts with one method in one batched call through args.batch_size slots (refs: each
-    prompt's ref, as draft_emulator's). One result per prompt, as run's, timed by the wall clock from
-    its prefill to its last token, and each holding the call's id (batch_id) and its time by args.clock
-    until the prompt finished (batch_s: the call's time is its last prompt's). on_result(i, result) is
-    called as prompt i finishes."""
-    hooks = [draft_emulator(model, p, name, args, ref) for p, ref in zip(prompts, refs or [None] * len(prompts))]
+    """Decode the prompts with one method in one batched call through args.batch_size slots (refs:
+    each prompt's ref, as draft_emulator's). One result per prompt, as run's, timed by the wall
+    clock from its prefill to its last token, and each holding the call's id (batch_id) and its time
+    by args.clock until the prompt finished (batch_s: the call's time is its last prompt's).
+    on_result(i, result) is called as prompt i finishes."""
+    hooks = [draft_emulator(model, p, name, args, ref)
+             for p, ref in zip(prompts, refs or [None] * len(prompts))]
     clock, times = CLOCKS[args.clock], [[] for _ in prompts]
-    stop = sorted({t for p in prompts for t in p["eos"] or ()})  # one model, one format: the same for every prompt
+    # one model, one format: the same for every prompt
+    stop = sorted({t for p in prompts for t in p["eos"] or ()})
     recs, batch_id = [None] * len(prompts), uuid.uuid4().hex
 
     def finish(i, out):
-        recs[i] = dict(record(out, prompts[i], hooks[i][1], times[i], out.stats["wall_s"]), batch_id=batch_id,
-                       batch_s=clock() - start)
+        recs[i] = dict(record(out, prompts[i], hooks[i][1], times[i], out.stats["wall_s"]),
+                       batch_id=batch_id, batch_s=clock() - start)
         if on_result:
             on_result(i, recs[i])
 
     start = clock()
-    wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop, batch_size=args.batch_size,
-                 draft_hook=lambda i, pos, token: hooks[i][0](pos, token), on_token=lambda i, token: times[i].append(clock()),
-                 on_finish=finish, digest_logits=True, **settings(name, args))
+    wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop,
+                 batch_size=args.batch_size,
+                 draft_hook=lambda i, pos, token: hooks[i][0](pos, token),
+                 on_token=lambda i, token: times[i].append(clock()), on_finish=finish,
+                 digest_logits=True, **settings(name, args))
     return recs
 
 
-# -- tables -----------------------------------------------------------------------------------------
+# -- tables ----------------------------------------------------------------------------------------
 
 def mean(xs):
     xs = [x for x in xs if not math.isnan(x)]
@@ -180,23 +190,29 @@ def summarize(recs):
     verified = accepted + sum(s["rejected"] for s in st)
     # a batch's speed is its throughput: every token over the batched calls' time (a resumed run's
     # prompts come from more than one call)
-    calls, graphs = defaultdict(float), defaultdict(int)  # per call: its time; the graphs it compiled
+    # per call: its time; the graphs it compiled
+    calls, graphs = defaultdict(float), defaultdict(int)
     for j, r in enumerate(recs):
-        call = r.get("batch_id", j)  # a batch's counts grow as its prompts finish: its last is the call's
+        # a batch's counts grow as its prompts finish: its last is the call's
+        call = r.get("batch_id", j)
         calls[call] = max(calls[call], r.get("batch_s", 0.0))
         graphs[call] = max(graphs[call], r["stats"]["graphs_compiled"])
-    tok_s = tokens / sum(calls.values()) if "batch_id" in recs[0] else mean([r["tok_s"] for r in recs])
+    tok_s = (tokens / sum(calls.values()) if "batch_id" in recs[0]
+             else mean([r["tok_s"] for r in recs]))
     return dict(tok_s=tok_s, decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
-                per_round=tokens / (tokens - accepted), acceptance=accepted / verified if verified else float("nan"),
+                per_round=tokens / (tokens - accepted),
+                acceptance=accepted / verified if verified else float("nan"),
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
                 kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
                 identical=sum(r["identical"] for r in recs) / len(recs),
-                ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"], graphs=sum(graphs.values()))
+                ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"],
+                graphs=sum(graphs.values()))
 
 
 def table(results, names, ids, compiled=False):
-    """Markdown table over the prompts `ids`; speedups against AR on the same prompts. compiled: with a
-    last column, the graphs compiled during the timed runs (0 unless the warm-up missed some)."""
+    """Markdown table over the prompts `ids`; speedups against AR on the same prompts. compiled:
+    with a last column, the graphs compiled during the timed runs (0 unless the warm-up
+    missed some)."""
     figs = {n: summarize([results[n][i] for i in ids]) for n in names}
     ar = figs["ar"]
     fmt = lambda x, f: "–" if math.isnan(x) else format(x, f)
@@ -204,10 +220,12 @@ def table(results, names, ids, compiled=False):
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for n, f in figs.items():
         lines.append("| " + " | ".join([
-            METHODS[n][3], str(f["width"]), fmt(f["tok_s"], ".2f"), fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
+            METHODS[n][3], str(f["width"]), fmt(f["tok_s"], ".2f"),
+            fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
             fmt(f["decode_tok_s"] / ar["decode_tok_s"], ".2f") + "x", fmt(f["per_round"], ".2f"),
             fmt(f["acceptance"], ".3f"), fmt(f["r_per_token"], ".2f"), fmt(f["kv_mib"], ".1f"),
-            f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"] + [str(f["graphs"])] * compiled) + " |")
+            f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"]
+            + [str(f["graphs"])] * compiled) + " |")
     return "\n".join(lines), figs
 
 
@@ -217,11 +235,13 @@ def weight_bytes_per_token(model, num_steps):
     Parcae's value-embedding rows are too small to count)."""
     nbytes = lambda modules: sum(p.nbytes for m in modules if m is not None for p in m.parameters())
     return (num_steps * nbytes([model.core, model.adapter])
-            + nbytes([model.prelude, model.coda, model.coda_in, model.lm_head]) + model.embed.weight[0].nbytes)
+            + nbytes([model.prelude, model.coda, model.coda_in, model.lm_head])
+            + model.embed.weight[0].nbytes)
 
 
 def memory_bandwidth(device, nbytes=2**28):
-    """Bytes per second moved by a device-to-device copy of 256 MiB (read and write), the best of 5."""
+    """Bytes per second moved by a device-to-device copy of 256 MiB (read and write), the best
+    of 5."""
     x = torch.ones(nbytes, dtype=torch.uint8, device=device)
     y, best = torch.empty_like(x), math.inf
     sync = torch.cuda.synchronize if x.is_cuda else lambda: None
@@ -237,17 +257,18 @@ def memory_bandwidth(device, nbytes=2**28):
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown CPU"
 
 
-# -- sweeps: the paper's figures --------------------------------------------------------------------
+# -- sweeps: the paper's figures -------------------------------------------------------------------
 
 # name: (the setting each point sets, a point's type); figures.AXES names them in the table and the
 # figure. The batch sweep's points are --batch-sizes.
-SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int), "length": ("prompt_len", int),
-          "batch": ("batch_size", int)}
+SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int),
+          "length": ("prompt_len", int), "batch": ("batch_size", int)}
 
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
@@ -267,29 +288,35 @@ def sweep_points(model, args, prompts=None):
     try:
         points = [kind(x) for x in args.points.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, not {args.points!r}") from None
-    bounds = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1), batch=(1, len(prompts or ())))
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, "
+                         f"not {args.points!r}") from None
+    bounds = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1),
+                  batch=(1, len(prompts or ())))
     low, high = bounds.get(args.sweep, (1, T))
     bad = [x for x in points if not low <= x <= high]
     if not points or bad:
-        raise ValueError(f"{flag} must lie in {low}..{high}" + (" (the prompts)" if args.sweep == "batch" else "")
+        raise ValueError(f"{flag} must lie in {low}..{high}"
+                         + (" (the prompts)" if args.sweep == "batch" else "")
                          + f", not {bad[0] if bad else args.points!r}")
     return points
 
 
 def reuse_key(model, name, args, prompts):
     """What a run of an AR method depends on (drafting methods: None, their drafts change with every
-    point): its settings, with the width and KV window the draft depth resolves to, and the prompts."""
+    point): its settings, with the width and KV window the draft depth resolves to, and
+    the prompts."""
     s = settings(name, args)
     if s["method"] != "ar":
         return None
     width, window = checks.check_args(model, prompts[0]["ids"], args.max_new_tokens, **s)[4:6]
-    s.update(width=width, window=window, draft_steps=None, draft_len=None, batch_size=args.batch_size)
+    s.update(width=width, window=window, draft_steps=None, draft_len=None,
+             batch_size=args.batch_size)
     return tuple(sorted(s.items())), tuple(tuple(p["ids"]) for p in prompts), args.max_new_tokens
 
 
 def fix_capacity(args, prompts):
-    if args.compile and args.capacity is None:  # one KV shape, so one set of compiled graphs, for every prompt
+    # one KV shape, so one set of compiled graphs, for every prompt
+    if args.compile and args.capacity is None:
         args.capacity = max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1
 
 
@@ -300,12 +327,14 @@ def run_sweep(model, model_id, names, args, argv, log):
     T = model.num_steps if args.steps is None else args.steps
     measured, points = {}, []  # reuse key -> (index of the point that measured it, its results)
     # a batch sweep's prompts are the same at every point: no batch may be larger
-    prompts = load_prompts(model, model_id, args, lambda msg: None)[0] if args.sweep == "batch" else None
+    prompts = (load_prompts(model, model_id, args, lambda msg: None)[0] if args.sweep == "batch"
+               else None)
     for j, x in enumerate(sweep_points(model, args, prompts)):
         log(f"{figures.sweep_flag(args.sweep)}: point {j + 1}, {param} = {x}")
         a = argparse.Namespace(**vars(args))
         setattr(a, param, x)
-        a.warmup = args.warmup if j == 0 or args.compile else 0  # a new width compiles anew; else warm
+        # a new width compiles anew; else warm
+        a.warmup = args.warmup if j == 0 or args.compile else 0
         prompts, source = load_prompts(model, model_id, a, log)
         fix_capacity(a, prompts)
         keys = {n: reuse_key(model, n, a, prompts) for n in names}
@@ -319,82 +348,98 @@ def run_sweep(model, model_id, names, args, argv, log):
         acc = figs["wfd"]["acceptance"]
         ar = figs["ar"]
         points.append(finite(dict(
-            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source, acceptance=acc,
-            ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
-                label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"], speedup=f["tok_s"] / ar["tok_s"],
-                decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"], r_calls_per_token=f["r_per_token"],
+            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source,
+            acceptance=acc, ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
+                label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"],
+                speedup=f["tok_s"] / ar["tok_s"],
+                decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"],
+                r_calls_per_token=f["r_per_token"],
                 r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
                 tokens_per_round=f["per_round"], kv_mib=f["kv_mib"], identical=f["identical"],
                 measured_at_point=reused.get(n, (j,))[0])) for n, f in figs.items()})))
     again = None
     if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
-        # AR's run served later points: one more run of it shows how far the machine's speed drifted since
+        # AR's run served later points: one more run of it shows how far the machine's speed
+        # drifted since
         again = summarize(run_all(model, prompts, ["ar"], a, log)[0]["ar"])["tok_s"]
     return dict(
         sweep=args.sweep, x_label=figures.AXES[args.sweep][1], ar_again_tok_s=again,
-        model=model_id, machine=machine(args.device), device=args.device, threads=torch.get_num_threads(),
-        torch=torch.__version__, dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
+        model=model_id, machine=machine(args.device), device=args.device,
+        threads=torch.get_num_threads(), torch=torch.__version__,
+        dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
         date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T, draft_len=args.draft_len,
-        emulated_acceptance=args.acceptance, prompts=len(prompts), prompt_source=points[0]["prompt_source"],
-        max_new_tokens=args.max_new_tokens, decoding=decoding(args), compiled=args.compile, batch_size=args.batch_size,
+        emulated_acceptance=args.acceptance, prompts=len(prompts),
+        prompt_source=points[0]["prompt_source"], max_new_tokens=args.max_new_tokens,
+        decoding=decoding(args), compiled=args.compile, batch_size=args.batch_size,
         shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
 
 
-# -- main -------------------------------------------------------------------------------------------
+# -- main ------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=DEMO, help="model folder or hub id (default: the demo model)")
-    src.add_argument("--random-weights", metavar="CONFIG_JSON", help="a model of this config with random weights")
-    p.add_argument("--paper", action="store_true", help="the paper's Spec-Bench protocol for the model given (its "
-                   "flags, printed first; any flag given as well wins), and the paper's speedups beside ours")
+    src.add_argument("--model", default=DEMO,
+                     help="model folder or hub id (default: the demo model)")
+    src.add_argument("--random-weights", metavar="CONFIG_JSON",
+                     help="a model of this config with random weights")
+    p.add_argument("--paper", action="store_true", help="the paper's Spec-Bench protocol for the "
+                   "model given (its flags, printed first; any flag given as well wins), and the "
+                   "paper's speedups beside ours")
     p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     p.add_argument("--questions", help="Spec-Bench question.jsonl (first turns; needs a tokenizer)")
-    p.add_argument("--prompt-format", default="auto", choices=["auto", "raw", "chat"], help="questions as raw text "
-                   "or as one user turn in the model's chat template (enable_thinking); auto: chat for the reasoning "
-                   "fine-tunes (a model name holding 'Thinking'), raw otherwise, as the paper")
-    p.add_argument("--max-prompt-tokens", type=int, help="right-truncate each prompt to N tokens, and skip those "
-                   "under 2 tokens (the paper: 512)")
+    p.add_argument("--prompt-format", default="auto", choices=["auto", "raw", "chat"],
+                   help="questions as raw text or as one user turn in the model's chat template "
+                   "(enable_thinking); auto: chat for the reasoning fine-tunes (a model name "
+                   "holding 'Thinking'), raw otherwise, as the paper")
+    p.add_argument("--max-prompt-tokens", type=int, help="right-truncate each prompt to N tokens, "
+                   "and skip those under 2 tokens (the paper: 512)")
     p.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--per-category", type=int, help="at most this many prompts per category")
     p.add_argument("--limit", type=int, help="run only the first N prompts of the set")
-    p.add_argument("--per-file", type=int, default=1, help="held-out stdlib prompts per file (demo model)")
-    p.add_argument("--num-prompts", type=int, default=4, help="random-id prompts, for models without a tokenizer")
-    p.add_argument("--prompt-len", type=int, help="prompt length in tokens: of each random-id prompt (default 16), "
-                   "or of each held-out stdlib prompt (default 48)")
+    p.add_argument("--per-file", type=int, default=1,
+                   help="held-out stdlib prompts per file (demo model)")
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="random-id prompts, for models without a tokenizer")
+    p.add_argument("--prompt-len", type=int, help="prompt length in tokens: of each random-id "
+                   "prompt (default 16), or of each held-out stdlib prompt (default 48)")
     p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
                    "AR always runs, and so does each method's exact reference (AR at its width)")
-    p.add_argument("--acceptance", type=float, help="emulate draft acceptance A (seeded Bernoulli stream)")
-    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method (0: none; "
-                   "with --compile at least 2, which it takes to compile)")
-    p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, or with "
-                   "--compile the most any prompt needs, so that every prompt runs the same compiled graphs); "
-                   "attention reads only the key blocks written")
-    p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or by this "
-                   "process's CPU time (steadier on a busy machine; use with --threads 1)")
-    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, Huginn's and Parcae's s0",
+    p.add_argument("--acceptance", type=float,
+                   help="emulate draft acceptance A (seeded Bernoulli stream)")
+    p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method "
+                   "(0: none; with --compile at least 2, which it takes to compile)")
+    p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, "
+                   "or with --compile the most any prompt needs, so that every prompt runs the "
+                   "same compiled graphs); attention reads only the key blocks written")
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS), help="time by wall clock, or "
+                   "by this process's CPU time (steadier on a busy machine; use with --threads 1)")
+    add_decoding_args(p, seed_help="seeds prompts, the acceptance stream, the sampling noise, "
+                      "Huginn's and Parcae's s0",
                       dtype_help="default: the checkpoint's; float32 for random weights",
-                      compile_help="the warm-up, of at least 2 tokens per method, pays for compiling and its time "
-                      "is reported apart")
+                      compile_help="the warm-up, of at least 2 tokens per method, pays for "
+                      "compiling and its time is reported apart")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, each appended as its prompt "
-                   "finishes, or a sweep's sweep-NAME.json ('' for none)")
-    p.add_argument("--resume", action="store_true", help="keep the answers in --out of an earlier run of the same "
-                   "command (one cut short) and measure only the prompts some method has not answered")
-    p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, each method in one "
-                   "batched call (a finished sequence's slot takes the next prompt); default: one prompt at a time")
-    p.add_argument("--sweep", choices=[n for n in SWEEPS if n != "batch"], help="run every method at each point of a "
-                   "sweep and print one row per point: emulated acceptance, draft depth k, prompt length")
-    p.add_argument("--batch-sizes", metavar="B1,B2,...", help="the batch sweep: every method at each batch size "
-                   "(on the same prompts), one row per batch size")
-    p.add_argument("--points", help="the sweep's points, comma-separated (default: acceptance 0.5,0.7,0.8,0.9,"
-                   "0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
-    p.add_argument("--plot", metavar="FILE.png", help=f"draw the sweep ({figures.PIXELS[0]}x{figures.PIXELS[1]} "
-                   "pixels; needs matplotlib)")
-    p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved sweep-NAME.json and "
-                   "draw it (with --plot), without running anything")
+    p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, each appended "
+                   "as its prompt finishes, or a sweep's sweep-NAME.json ('' for none)")
+    p.add_argument("--resume", action="store_true", help="keep the answers in --out of an earlier "
+                   "run of the same command (one cut short) and measure only the prompts some "
+                   "method has not answered")
+    p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, "
+                   "each method in one batched call (a finished sequence's slot takes the next "
+                   "prompt); default: one prompt at a time")
+    p.add_argument("--sweep", choices=[n for n in SWEEPS if n != "batch"], help="run every method "
+                   "at each point of a sweep and print one row per point: emulated acceptance, "
+                   "draft depth k, prompt length")
+    p.add_argument("--batch-sizes", metavar="B1,B2,...", help="the batch sweep: every method at "
+                   "each batch size (on the same prompts), one row per batch size")
+    p.add_argument("--points", help="the sweep's points, comma-separated (default: acceptance "
+                   "0.5,0.7,0.8,0.9,0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the sweep "
+                   f"({figures.PIXELS[0]}x{figures.PIXELS[1]} pixels; needs matplotlib)")
+    p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved "
+                   "sweep-NAME.json and draw it (with --plot), without running anything")
     return p.parse_args(argv)
 
 
@@ -405,11 +450,12 @@ def load_model(args, log):
         config = read_json(args.random_weights)
         model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
         log(f"building {model_id} with random weights on {args.device} ...")
-        model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"], seed=args.seed,
-                                   init_seed=args.init_seed)
+        model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"],
+                                   seed=args.seed, init_seed=args.init_seed)
     else:
         if args.model == DEMO and not os.path.isdir(DEMO):
-            raise FileNotFoundError("no --model given and the demo model is missing: build it with python train_demo.py")
+            raise FileNotFoundError("no --model given and the demo model is missing: build it with "
+                                    "python train_demo.py")
         model_id = model_name(args.model)
         log(f"loading {args.model} ...")
         model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
@@ -421,23 +467,25 @@ def load_model(args, log):
 
 
 def model_name(source):
-    """The model's name: a hub id's, a hub cache folder's (models--ORG--NAME/snapshots/HASH), else the
-    folder's own."""
+    """The model's name: a hub id's, a hub cache folder's (models--ORG--NAME/snapshots/HASH), else
+    the folder's own."""
     path = os.path.normpath(os.path.abspath(os.path.expanduser(source)))
     cached = re.search(r"models--[^/]+?--([^/]+)/snapshots/[^/]+$", path.replace(os.sep, "/"))
     if cached:
         return cached.group(1)
-    return os.path.basename(path) if os.path.isdir(path) else os.path.basename(os.path.normpath(source))
+    return (os.path.basename(path) if os.path.isdir(path)
+            else os.path.basename(os.path.normpath(source)))
 
 
 def prompt_format(args, model_id, log):
-    """--prompt-format resolved, and said; auto is the official protocol's rule: the chat template for
-    the reasoning fine-tunes (*-Thinking), raw text for the base checkpoints."""
+    """--prompt-format resolved, and said; auto is the official protocol's rule: the chat template
+    for the reasoning fine-tunes (*-Thinking), raw text for the base checkpoints."""
     if args.prompt_format != "auto":
         return args.prompt_format
     thinking = "thinking" in model_id.lower()
     log(f"prompt format: {'chat' if thinking else 'raw'} (--prompt-format auto: {model_id} is "
-        f"{'a' if thinking else 'not a'} Thinking model; the protocol gives the reasoning fine-tunes chat turns)")
+        f"{'a' if thinking else 'not a'} Thinking model; the protocol gives the reasoning "
+        "fine-tunes chat turns)")
     return "chat" if thinking else "raw"
 
 
@@ -455,44 +503,49 @@ def load_prompts(model, model_id, args, log):
         length = args.prompt_len or 48
         prompts = stdlib_prompts(model, args.per_file, length)
         source = f"held-out stdlib files, {length} tokens from a def"
-    if args.max_prompt_tokens:  # as the official protocol: right-truncated, and under 2 tokens skipped
-        prompts = [dict(p, ids=p["ids"][:args.max_prompt_tokens]) for p in prompts if len(p["ids"]) >= 2]
+    # as the official protocol: right-truncated, and under 2 tokens skipped
+    if args.max_prompt_tokens:
+        prompts = [dict(p, ids=p["ids"][:args.max_prompt_tokens]) for p in prompts
+                   if len(p["ids"]) >= 2]
         source += f", truncated to {args.max_prompt_tokens} tokens"
     fits = [p for p in prompts if len(p["ids"]) + args.max_new_tokens <= model.args.max_seq_len]
     if len(fits) < len(prompts):
         log(f"  skipping {len(prompts) - len(fits)} prompts longer than the context allows")
     if not fits:
-        raise ValueError("no prompts to run" if not prompts else f"no prompt fits the model's context of "
-                         f"{model.args.max_seq_len} positions with --max-new-tokens {args.max_new_tokens}")
+        raise ValueError("no prompts to run" if not prompts else "no prompt fits the model's "
+                         f"context of {model.args.max_seq_len} positions with "
+                         f"--max-new-tokens {args.max_new_tokens}")
     return fits[:args.limit], source
 
 
 def check_batch_size(batch_size, prompts, flag="--batch-size"):
     if batch_size is not None and batch_size > len(prompts):
-        raise ValueError(f"{flag} {batch_size} is more than the {len(prompts)} prompts: give more prompts "
-                         "(--num-prompts, --limit) or a smaller batch")
+        raise ValueError(f"{flag} {batch_size} is more than the {len(prompts)} prompts: give more "
+                         "prompts (--num-prompts, --limit) or a smaller batch")
 
 
 def run_all(model, prompts, names, args, log, known=None, on_result=None):
     """Every method on every prompt, each reference before the runs checked against it: prompt after
-    prompt, or with args.batch_size each method over the prompts in one batched call. known: name -> one
-    result or None per prompt, measured before (a sweep's AR runs, which its points do not change; a
-    resumed run's answers): only the Nones run. on_result(name, i, result) as each result is checked.
-    Returns (name -> one result per prompt, the warm-up's seconds per method)."""
+    prompt, or with args.batch_size each method over the prompts in one batched call. known: name ->
+    one result or None per prompt, measured before (a sweep's AR runs, which its points do not
+    change; a resumed run's answers): only the Nones run. on_result(name, i, result) as each result
+    is checked. Returns (name -> one result per prompt, the warm-up's seconds per method)."""
     batch = args.batch_size
     known = {n: list(known[n]) if known and n in known else [None] * len(prompts) for n in names}
     todo = {n: [i for i, r in enumerate(known[n]) if r is None] for n in names}
     fresh = [n for n in names if todo[n]]
     check_batch_size(batch, [prompts[i] for i in todo[fresh[0]]] if fresh else prompts)
     for name in names:  # bad settings fail here, not after the reference runs
-        checks.check_args(model, prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
+        checks.check_args(model,
+                          prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
                           args.max_new_tokens, batch_size=batch, **settings(name, args))
     compile_s = {}
     if args.warmup and fresh:
         compile_s = warm_up(model, [prompts[i] for i in todo[fresh[0]]], fresh, args, log)
     results = known  # name -> one result per prompt
     reference = lambda name: results[METHODS[name][4]] if METHODS[name][4] != name else None
-    bar = tqdm(total=sum(map(len, todo.values())), unit="run", file=sys.stderr, disable=None)  # on a terminal
+    # on a terminal
+    bar = tqdm(total=sum(map(len, todo.values())), unit="run", file=sys.stderr, disable=None)
 
     def add(name, i, r):
         """r, the result of prompt i, checked against its reference's and logged."""
@@ -503,10 +556,12 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
         r.update(identical=same, ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
         results[name][i] = r
         st = r["stats"]
-        log(f"[{i + 1}/{len(prompts)} {prompts[i]['category']}] {name:>10}: {st['tokens']} tokens in "
-            f"{r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, {r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), "
-            f"acceptance {st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
-            + (f", {st['graphs_compiled']} graphs compiled while timed" if st["graphs_compiled"] else "")
+        log(f"[{i + 1}/{len(prompts)} {prompts[i]['category']}] {name:>10}: {st['tokens']} tokens "
+            f"in {r['time_s']:.2f} s ({r['tok_s']:.2f} tok/s, "
+            f"{r['tok_s'] / results['ar'][i]['tok_s']:.2f}x AR), acceptance "
+            f"{st['acceptance']:.2f}, {st['r_calls_per_token']:.2f} R/token"
+            + (f", {st['graphs_compiled']} graphs compiled while timed" if st["graphs_compiled"]
+               else "")
             + ("" if r["identical"] else "  OUTPUT DIFFERS FROM THE REFERENCE"))
         bar.update()
         if on_result:
@@ -517,24 +572,27 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
         for i, prompt in enumerate(prompts):
             for name in fresh:
                 if results[name][i] is None:
-                    add(name, i, run(model, prompt, name, args, args.max_new_tokens, ref_tokens(name, i)))
+                    add(name, i,
+                        run(model, prompt, name, args, args.max_new_tokens, ref_tokens(name, i)))
     else:
         for name in fresh:
             ids = todo[name]
             run_batch(model, [prompts[i] for i in ids], name, args, args.max_new_tokens,
-                      [ref_tokens(name, i) for i in ids], on_result=lambda j, r: add(name, ids[j], r))
+                      [ref_tokens(name, i) for i in ids],
+                      on_result=lambda j, r: add(name, ids[j], r))
             recs = [results[name][i] for i in ids]
-            log(f"[batch {batch}] {name:>10}: {sum(r['stats']['tokens'] for r in recs)} tokens of {len(ids)} "
-                f"prompts in {max(r['batch_s'] for r in recs):.2f} s ({summarize(recs)['tok_s']:.2f} tok/s)")
+            log(f"[batch {batch}] {name:>10}: {sum(r['stats']['tokens'] for r in recs)} tokens of "
+                f"{len(ids)} prompts in {max(r['batch_s'] for r in recs):.2f} s "
+                f"({summarize(recs)['tok_s']:.2f} tok/s)")
     bar.close()
     return results, compile_s
 
 
 def warm_up(model, prompts, names, args, log):
-    """Before the timed runs: compiled, every graph each method's runs can meet (wfd.compile_graphs: every
-    key-block bucket up to the capacity, at its width and batch), then a run of args.warmup tokens of each
-    method (one token, the prefill alone, is the same for every method: one run touches all the weights).
-    Returns the seconds each method's warm-up took."""
+    """Before the timed runs: compiled, every graph each method's runs can meet (wfd.compile_graphs:
+    every key-block bucket up to the capacity, at its width and batch), then a run of args.warmup
+    tokens of each method (one token, the prefill alone, is the same for every method: one run
+    touches all the weights). Returns the seconds each method's warm-up took."""
     batch, tokens, seconds = args.batch_size, args.warmup, {}
     log(f"warm-up: {tokens} tokens, {', '.join(names if tokens > 1 else names[:1])}"
         + (" after compiling every graph of each" if args.compile else ""))
@@ -542,7 +600,8 @@ def warm_up(model, prompts, names, args, log):
         t0 = time.perf_counter()
         if args.compile:
             ids = prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts]
-            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch, **settings(name, args))
+            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch,
+                               **settings(name, args))
         if tokens > 1 or name == names[0]:
             if batch is None:
                 run(model, prompts[0], name, args, tokens)
@@ -555,19 +614,22 @@ def warm_up(model, prompts, names, args, log):
 def decoding(args):
     if args.temperature == 0:
         return "greedy"
-    filters = "".join(f", {name} {v}" for name, v in (("top-k", args.top_k), ("top-p", args.top_p)) if v is not None)
+    filters = "".join(f", {name} {v}" for name, v in (("top-k", args.top_k), ("top-p", args.top_p))
+                      if v is not None)
     return f"sampled at temperature {args.temperature}{filters}, seed {args.seed}"
 
 
 def print_costs(model, T, names, figs, results, args):
-    """What a call costs, one prompt at a time: AR against the bound of reading the weights, the time
-    per R call, and on a CPU the R calls' share of the time."""
+    """What a call costs, one prompt at a time: AR against the bound of reading the weights, the
+    time per R call, and on a CPU the R calls' share of the time."""
     per_token, bandwidth = weight_bytes_per_token(model, T), memory_bandwidth(model.device)
     bound = bandwidth / per_token
-    print(f"\nBandwidth bound: {bound:.2f} tok/s ({per_token / 1e9:.3f} GB of weights read per AR token, "
-          f"{bandwidth / 1e9:.1f} GB/s measured by a copy on the device); AR decodes at "
-          f"{figs['ar']['decode_tok_s']:.2f} tok/s, {100 * figs['ar']['decode_tok_s'] / bound:.1f}% of it")
-    per_call = {n: sum(r["time_s"] for r in results[n]) / sum(r["stats"]["r_calls"] for r in results[n])
+    print(f"\nBandwidth bound: {bound:.2f} tok/s ({per_token / 1e9:.3f} GB of weights read per AR "
+          f"token, {bandwidth / 1e9:.1f} GB/s measured by a copy on the device); AR decodes at "
+          f"{figs['ar']['decode_tok_s']:.2f} tok/s, "
+          f"{100 * figs['ar']['decode_tok_s'] / bound:.1f}% of it")
+    per_call = {n: sum(r["time_s"] for r in results[n])
+                   / sum(r["stats"]["r_calls"] for r in results[n])
                 for n in names}
     print(f"\nTime per R call ({args.clock} clock; C calls and overhead included): "
           + ", ".join(f"{METHODS[n][3]} {1000 * t:.1f} ms" for n, t in per_call.items()))
@@ -575,50 +637,59 @@ def print_costs(model, T, names, figs, results, args):
         def r_time(recs):  # the R calls after the prefill, whose T calls r_calls counts too
             r_s = sum(r["stats"]["r_seconds"] for r in recs)
             calls = sum(r["stats"]["r_calls"] - r["stats"]["num_steps"] for r in recs)
-            each = f"{1000 * r_s / calls:.2f} ms each" if calls else "none"  # 1 token: the prefill's alone
+            # 1 token: the prefill's alone
+            each = f"{1000 * r_s / calls:.2f} ms each" if calls else "none"
             return f"{each}, {100 * r_s / sum(r['stats']['wall_s'] for r in recs):.0f}% of the time"
-        print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P and the schedule): "
+        print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P "
+              "and the schedule): "
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
 
 
-def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv, resumed=0):
+def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv,
+                  resumed=0):
     """The header, a table per category and overall, the legend: markdown to paste."""
     T = model.num_steps if args.steps is None else args.steps
-    k = checks.default_draft_steps(model, args.steps) if args.draft_steps is None else args.draft_steps
+    k = (checks.default_draft_steps(model, args.steps) if args.draft_steps is None
+         else args.draft_steps)
     emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
-    device = machine(args.device) + ("" if args.device == "cuda" else f", {torch.get_num_threads()} CPU thread(s)")
+    device = machine(args.device) + ("" if args.device == "cuda"
+                                     else f", {torch.get_num_threads()} CPU thread(s)")
     print(f"## bench.py: {model_id}{emulated}\n")
-    print(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {device}; torch {torch.__version__}; "
-          f"{str(model.dtype).replace('torch.', '')}; {args.clock} clock")
+    print(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {device}; torch "
+          f"{torch.__version__}; {str(model.dtype).replace('torch.', '')}; {args.clock} clock")
     print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
-          f"up to {args.max_new_tokens} new tokens, {decoding(args)}, {figures.batch_text(args.batch_size)}"
-          + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV capacity "
-             f"{args.capacity}" if args.compile else "") + "\n")
+          f"up to {args.max_new_tokens} new tokens, "
+          f"{decoding(args)}, {figures.batch_text(args.batch_size)}"
+          + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV "
+             f"capacity {args.capacity}" if args.compile else "") + "\n")
     by_cat = defaultdict(list)
     for i, p in enumerate(prompts):
         by_cat[p["category"]].append(i)
-    if len(by_cat) > 1 and args.batch_size is None:  # a batch's time is its call's, not a category's
+    # a batch's time is its call's, not a category's
+    if len(by_cat) > 1 and args.batch_size is None:
         for cat, ids in by_cat.items():
-            print(f"### {cat} ({len(ids)} prompts)\n\n{table(results, names, ids, args.compile)[0]}\n")
+            print(f"### {cat} ({len(ids)} prompts)\n\n"
+                  f"{table(results, names, ids, args.compile)[0]}\n")
     text, figs = table(results, names, range(len(prompts)), args.compile)
     again = f", {resumed} of them resumed from {args.out}" if resumed else ""
     print(f"### overall ({len(prompts)} prompts{again}{emulated})\n\n{text}\n\n{LEGEND}"
           + ("" if args.batch_size is None else "\n" + figures.BATCH_LEGEND))
     if compile_s:
-        print("\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by another "
-              "finds its graphs)" if args.compile else "") + ": "
+        print("\nWarm-up, wall clock" + (" (compiling: a method at a width compiled before by "
+              "another finds its graphs)" if args.compile else "") + ": "
               + ", ".join(f"{METHODS[n][3]} {t:.1f} s" for n, t in compile_s.items()))
     if args.batch_size is None:
         print_costs(model, T, names, figs, results, args)
     if "wfd" in figs and not math.isnan(figs["wfd"]["acceptance"]):
         a, ar, wave = figs["wfd"]["acceptance"], figs["ar"], figs["wfd"]
         ideal = lambda A: figures.ideal_speedup(T, k, A)
-        at_A = f"{ideal(args.acceptance):.2f}x at A={args.acceptance}, " if args.acceptance is not None else ""
-        print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {at_A}{ideal(a):.2f}x at the measured {a:.3f}; WFD "
-              f"reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding alone: "
-              f"{wave['decode_tok_s'] / ar['decode_tok_s'] / ideal(a):.2f}); R-call ratio measured: "
-              f"{ar['r_per_token'] / wave['r_per_token']:.2f}x")
+        at_A = (f"{ideal(args.acceptance):.2f}x at A={args.acceptance}, "
+                if args.acceptance is not None else "")
+        print(f"\nIdeal WFD speedup T / (A*k + (1-A)*T): {at_A}{ideal(a):.2f}x at the measured "
+              f"{a:.3f}; WFD reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding "
+              f"alone: {wave['decode_tok_s'] / ar['decode_tok_s'] / ideal(a):.2f}); R-call ratio "
+              f"measured: {ar['r_per_token'] / wave['r_per_token']:.2f}x")
     if args.compile:
         graphs = sum(f["graphs"] for f in figs.values())
         print(f"\nGraphs compiled during the timed runs: {graphs}" + (
@@ -627,9 +698,10 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     return figs
 
 
-# -- the paper's protocol (the official code's experiments/exp2_spec_bench) ---------------------------
+# -- the paper's protocol (the official code's experiments/exp2_spec_bench) ------------------------
 
-QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "specbench", "question.jsonl")
+QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "specbench",
+                         "question.jsonl")
 PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2. The families the
     # paper leaves out: their own T and the default k (max(1, T // 8))
     "ouro": (4, 1, "ar,wfd"),
@@ -638,23 +710,25 @@ PAPER = {  # family: (T, k, methods); Ouro's k=2 as well: add --draft-steps 2. T
     "loopformer": (None, None, "ar,wfd"),
     "retrofit": (None, None, "ar,wfd,wfd-shared"),
 }
-PAPER_SPEEDUPS = {"ouro-2.6b": {"wfd": 2.42}, "huginn-0125": {"wfd": 3.54, "wfd-shared": 4.81}}  # over AR
+PAPER_SPEEDUPS = {"ouro-2.6b": {"wfd": 2.42},
+                  "huginn-0125": {"wfd": 3.54, "wfd-shared": 4.81}}  # over AR
 
 
 def paper_protocol(args):
-    """The flags of the paper's Spec-Bench protocol for args.model: the 480 questions (ids 81-560, the
-    shipped file), first turns, in the format of --prompt-format auto, right-truncated to 512 tokens,
-    512 new tokens, the family's T and k, bfloat16."""
+    """The flags of the paper's Spec-Bench protocol for args.model: the 480 questions (ids 81-560,
+    the shipped file), first turns, in the format of --prompt-format auto, right-truncated to 512
+    tokens, 512 new tokens, the family's T and k, bfloat16."""
     if args.random_weights:
-        raise ValueError("--paper runs the Spec-Bench questions through a checkpoint's tokenizer: give --model, "
-                         "not --random-weights")
+        raise ValueError("--paper runs the Spec-Bench questions through a checkpoint's tokenizer: "
+                         "give --model, not --random-weights")
     ckpt = checkpoints.Checkpoint(args.model)  # LoopFormer's T: from its repo id, where needed
     a = models.ModelArgs.from_config(ckpt.config, ckpt.weights.keys())
     T, k, methods = PAPER[a.kind]
     T = T or a.num_steps
     k = k or max(1, T // 8)
-    return ["--questions", QUESTIONS, "--prompt-format", "auto", "--max-prompt-tokens", "512", "--max-new-tokens",
-            "512", "--steps", str(T), "--draft-steps", str(k), "--dtype", "bfloat16", "--methods", methods]
+    return ["--questions", QUESTIONS, "--prompt-format", "auto", "--max-prompt-tokens", "512",
+            "--max-new-tokens", "512", "--steps", str(T), "--draft-steps", str(k), "--dtype",
+            "bfloat16", "--methods", methods]
 
 
 def print_paper(model_id, figs):
@@ -664,13 +738,14 @@ def print_paper(model_id, figs):
         print(f"\nThe paper reports no Spec-Bench speedup for {model_id}.")
         return
     print("\nSpeedup over AR, the paper's (Ha & Kim, on its GPU) beside ours: " + "; ".join(
-        f"{METHODS[n][3]} {x:.2f}x (ours {figs[n]['tok_s'] / figs['ar']['tok_s']:.2f}x)" if n in figs else
+        f"{METHODS[n][3]} {x:.2f}x (ours {figs[n]['tok_s'] / figs['ar']['tok_s']:.2f}x)"
+        if n in figs else
         f"{METHODS[n][3]} {x:.2f}x (ours: not run)" for n, x in paper.items()))
 
 
 def check_sweep_args(args):
-    """--sweep, --batch-sizes, --plot and --plot-from refused where they cannot run, before any work;
-    --batch-sizes becomes the sweep "batch" from here on."""
+    """--sweep, --batch-sizes, --plot and --plot-from refused where they cannot run, before any
+    work; --batch-sizes becomes the sweep "batch" from here on."""
     if args.batch_sizes is not None:
         if args.sweep or args.points:
             raise ValueError("--batch-sizes is a sweep of its own: not with --sweep or --points")
@@ -682,23 +757,25 @@ def check_sweep_args(args):
     if args.plot_from and not args.plot:
         raise ValueError("--plot-from needs --plot FILE.png, the figure to write")
     if args.plot and not (args.sweep or args.plot_from):
-        raise ValueError("--plot draws a sweep: give --sweep NAME, or --plot-from a saved sweep-NAME.json")
+        raise ValueError("--plot draws a sweep: give --sweep NAME, or --plot-from a "
+                         "saved sweep-NAME.json")
     if args.points and not args.sweep:
         raise ValueError("--points needs --sweep NAME")
     param = SWEEPS[args.sweep][0] if args.sweep else None
     if param and getattr(args, param) is not None:
-        raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: give the points "
-                         "with --points")
+        raise ValueError(f"--sweep {args.sweep} sets --{param.replace('_', '-')} at each point: "
+                         "give the points with --points")
     if args.sweep == "length" and args.questions:
-        raise ValueError("--sweep length sets the prompts' length: not with --questions, whose prompts are "
-                         "the questions")
+        raise ValueError("--sweep length sets the prompts' length: not with --questions, whose "
+                         "prompts are the questions")
     if args.plot:
         figures.need_matplotlib()
         folder = os.path.dirname(os.path.abspath(args.plot))
         try:  # fails now, not after the sweep
             os.makedirs(folder, exist_ok=True)
         except OSError as err:
-            raise OSError(f"--plot {args.plot}: cannot make the folder {folder} ({err.strerror})") from None
+            raise OSError(f"--plot {args.plot}: cannot make the folder "
+                          f"{folder} ({err.strerror})") from None
 
 
 def sweep_main(model, model_id, names, args, argv, log):
@@ -726,25 +803,28 @@ def main(argv=None):
         args = parse_args(argv)
         print(f"paper protocol: {shlex.join(protocol)}; then as given: {shlex.join(given)}\n")
     log = lambda msg: tqdm.write(msg, file=sys.stderr)  # above the progress bar, when there is one
-    check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0, threads=1,
-                   max_prompt_tokens=1, batch_size=1)
+    check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0,
+                   threads=1, max_prompt_tokens=1, batch_size=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
     check_sweep_args(args)
     if args.resume and (not args.out or args.sweep or args.plot_from):
-        raise ValueError("--resume continues the answer files of a run: it needs --out, and no sweep")
+        raise ValueError("--resume continues the answer files of a run: it needs --out, and "
+                         "no sweep")
     if args.plot_from:
         sweep = figures.read_sweep(args.plot_from)
         print(figures.text(sweep))
         figures.plot(sweep, args.plot)
         log(f"figure: {args.plot}")
         return None
-    names = [n.strip() for n in args.methods.split(",") if n.strip()] + (["wfd"] if args.sweep else [])
+    names = ([n.strip() for n in args.methods.split(",") if n.strip()]
+             + (["wfd"] if args.sweep else []))
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     # plain AR always runs (the baseline), and each method's exact reference before the method
-    names = ["ar"] + [n for n in METHODS if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
+    names = ["ar"] + [n for n in METHODS
+                      if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
     if args.sweep:
         return sweep_main(model, model_id, names, args, argv, log)
@@ -752,14 +832,16 @@ def main(argv=None):
     fix_capacity(args, prompts)
     answers = Answers(model, model_id, names, prompts, args) if args.out else None
     if answers:
-        log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl, each appended as its prompt finishes"
+        log(f"answers: {args.out}/{model_id}-{{{','.join(names)}}}.jsonl, each appended as its "
+            "prompt finishes"
             + (f"; {answers.resumed} of {len(prompts)} prompts resumed" if args.resume else ""))
     try:
         results, compile_s = run_all(model, prompts, names, args, log, answers and answers.known,
                                      answers and answers.write)
     except KeyboardInterrupt:
-        raise KeyboardInterrupt("interrupted" + (f": the finished answers are in {args.out}; the same command with "
-                                                 "--resume measures the rest" if answers else "")) from None
+        raise KeyboardInterrupt("interrupted" + (f": the finished answers are in {args.out}; the "
+                                                 "same command with --resume measures the rest"
+                                                 if answers else "")) from None
     finally:
         if answers:
             answers.close()

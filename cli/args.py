@@ -8,21 +8,23 @@ import sys
 import torch
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-TOKENIZER_HELP = ("tokenizer.json, or a folder or hub id holding one, for a model whose folder has none "
-                  "(Parcae: SandyResearch/parcae-tokenizer)")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+TOKENIZER_HELP = ("tokenizer.json, or a folder or hub id holding one, for a model whose folder has "
+                  "none (Parcae: SandyResearch/parcae-tokenizer)")
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error of the command line (no usage block)
+    # one line, like every other error of the command line (no usage block)
+    def error(self, message):
         self.exit(2, f"error: {message}\n")
 
 
 def one_line_errors(main):
-    """main, with every error in the user's input (arguments, files, configs, weights, devices, the hub:
-    the ValueErrors and OSErrors this project raises for them) and running out of memory reported as
-    one line on stderr and exit status 2, and Ctrl-C as one line and status 130. Any other exception is
-    a bug, and keeps its traceback."""
+    """main, with every error in the user's input (arguments, files, configs, weights, devices, the
+    hub: the ValueErrors and OSErrors this project raises for them) and running out of memory
+    reported as one line on stderr and exit status 2, and Ctrl-C as one line and status 130. Any
+    other exception is a bug, and keeps its traceback."""
     @functools.wraps(main)
     def wrapped(argv=None):
         try:
@@ -33,8 +35,10 @@ def one_line_errors(main):
         except RuntimeError as err:
             if not out_of_memory(err):
                 raise
-            print("error: out of memory: " + " ".join(str(err).split("\n")[0].split())[:300] + "; try a smaller "
-                  "--batch-size, --max-new-tokens or --capacity, --kv shared, or a smaller --dtype", file=sys.stderr)
+            print("error: out of memory: " + " ".join(str(err).split("\n")[0].split())[:300]
+                  + "; try a smaller "
+                  "--batch-size, --max-new-tokens or --capacity, --kv shared, or a smaller --dtype",
+                  file=sys.stderr)
             sys.exit(2)
         except KeyboardInterrupt as err:
             print(str(err) or "interrupted", file=sys.stderr)
@@ -57,22 +61,25 @@ def check_at_least(args, **least):
 
 
 def add_decoding_args(p, seed_help, dtype_help, compile_help):
-    """The flags run.py and bench.py share: depths, drafts, precision, threads, compiling, sampling."""
+    """The flags run.py and bench.py share: depths, drafts, precision, threads,
+    compiling, sampling."""
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
-    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's wfd_draft_steps, "
-                   "else max(1, T // 8))")
+    p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's "
+                   "wfd_draft_steps, else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
-    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M parameters, "
-                   "whose matmuls are too small to share between cores; else torch's default)")
-    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the prefill "
-                   "compiled by torch.compile (on CUDA as CUDA graphs); " + compile_help)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample "
-                   "(every method gives AR's sampled tokens with the same seed)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
+                   "parameters, whose matmuls are too small to share between cores; else "
+                   "torch's default)")
+    p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the "
+                   "prefill compiled by torch.compile (on CUDA as CUDA graphs); " + compile_help)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else "
+                   "sample (every method gives AR's sampled tokens with the same seed)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    p.add_argument("--top-p", type=float, help="sample from the most likely tokens that reach probability p")
+    p.add_argument("--top-p", type=float,
+                   help="sample from the most likely tokens that reach probability p")
     p.add_argument("--seed", type=int, default=0, help=seed_help)
 
 

@@ -1,5 +1,5 @@
-"""A bench.py sweep's table and figure (`bench.py --sweep NAME [--plot FILE.png]`, or `--plot-from` a
-saved sweep-NAME.json). The figure: each method's measured speedup over AR as markers, the ideal
+"""A bench.py sweep's table and figure (`bench.py --sweep NAME [--plot FILE.png]`, or `--plot-from`
+a saved sweep-NAME.json). The figure: each method's measured speedup over AR as markers, the ideal
 T / (A*k + (1-A)*T) as a line, AR at 1, and WFD's R-call ratio as open squares. matplotlib is an
 optional dependency, imported only to draw."""
 import json
@@ -35,9 +35,9 @@ BATCH_LEGEND = """\
   speedup: the mean over prompts of each sequence's own tokens per second from its first token to
   its last, over AR's. identical: against AR at the method's width and the same batch (the same
   slots). KV MiB: the whole batch's cache, B sequences'."""
-KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock", "command", "date",
-        "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source", "max_new_tokens", "decoding", "shown",
-        "points"}
+KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype", "clock",
+        "command", "date", "T", "draft_len", "emulated_acceptance", "prompts", "prompt_source",
+        "max_new_tokens", "decoding", "shown", "points"}
 
 
 def sweep_flag(name):
@@ -46,11 +46,13 @@ def sweep_flag(name):
 
 
 def batch_text(batch_size):
-    return "batch 1" if batch_size is None else f"batch {batch_size} (slots refilled as sequences finish)"
+    return ("batch 1" if batch_size is None
+            else f"batch {batch_size} (slots refilled as sequences finish)")
 
 
 def ideal_speedup(T, k, acceptance):
-    """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts to accept."""
+    """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts
+    to accept."""
     return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
 
 
@@ -72,41 +74,47 @@ def table(sweep):
             cells += [fmt(m[n]["tok_s"], ".2f"), fmt(m[n]["speedup"], ".2f") + "x",
                       fmt(m[n]["r_call_ratio"], ".2f") + "x"]
         differ = [f["label"] for f in m.values() if f["identical"] != 1]
-        lines.append("| " + " | ".join(cells + ["NO: " + ", ".join(differ) if differ else "yes"]) + " |")
+        lines.append("| " + " | ".join(cells + ["NO: " + ", ".join(differ) if differ else "yes"])
+                     + " |")
     return "\n".join(lines)
 
 
 def text(sweep):
     """The sweep as bench.py prints it: a header, the table, the legend (markdown)."""
     s = sweep
-    emulated = "" if s["emulated_acceptance"] is None else f", emulated acceptance A={s['emulated_acceptance']}"
+    emulated = ("" if s["emulated_acceptance"] is None
+                else f", emulated acceptance A={s['emulated_acceptance']}")
     threads = "" if s["device"] == "cuda" else f", {s['threads']} CPU thread(s)"
     depth = "" if s["sweep"] == "draft-steps" else f", k={s['points'][0]['k']}"
     prompts = "each point's length" if s["sweep"] == "length" else s["prompt_source"]
     # a file from before batched decoding has no batch_size: it ran one prompt at a time
     batch = "each point's batch" if s["sweep"] == "batch" else batch_text(s.get("batch_size"))
     return (f"## bench.py {sweep_flag(s['sweep'])}: {s['model']}{emulated}\n\n"
-            f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; {s['clock']} clock\n"
-            f"- `{s['command']}`\n"
-            f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts ({prompts}), up to "
-            f"{s['max_new_tokens']} new tokens, {s['decoding']}, {batch}\n\n{table(s)}\n\n{LEGEND}"
+            f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; "
+            f"{s['clock']} clock\n- `{s['command']}`\n"
+            f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts "
+            f"({prompts}), up to {s['max_new_tokens']} new tokens, "
+            f"{s['decoding']}, {batch}\n\n{table(s)}\n\n{LEGEND}"
             + ("" if batch == "batch 1" else "\n" + BATCH_LEGEND) + drift(s))
 
 
 def drift(sweep):
-    """The line on AR's run measured again after the last point, where earlier points' runs were reused."""
+    """The line on AR's run measured again after the last point, where earlier points' runs
+    were reused."""
     again, first = sweep.get("ar_again_tok_s"), sweep["points"][0]["methods"]["ar"]["tok_s"]
     if again is None:  # AR measured at every point, or a file from before the check
         return ""
-    return (f"\n\nAR run again after the last point: {again:.2f} tok/s, {again / first:.2f}x its {first:.2f} at the "
-            "first point; the speedups of the points that reuse AR's first runs carry that drift")
+    return (f"\n\nAR run again after the last point: {again:.2f} tok/s, {again / first:.2f}x its "
+            f"{first:.2f} at the first point; the speedups of the points that reuse AR's first "
+            "runs carry that drift")
 
 
 def need_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib, an optional dependency: pip install matplotlib") from None
+        raise ValueError("--plot needs matplotlib, an optional dependency: pip "
+                         "install matplotlib") from None
 
 
 def read_sweep(path):
@@ -118,7 +126,8 @@ def read_sweep(path):
             raise ValueError(f"{path} is not JSON ({err})") from None
     missing = KEYS - set(sweep) if isinstance(sweep, dict) else KEYS
     if missing:
-        raise ValueError(f"{path} is not a bench.py sweep file: it has no {', '.join(sorted(missing))}")
+        raise ValueError(f"{path} is not a bench.py sweep file: it has no "
+                         f"{', '.join(sorted(missing))}")
     if sweep["sweep"] not in AXES or not sweep["points"]:
         raise ValueError(f"{path} holds no points of a sweep of {', '.join(AXES)}")
     return sweep
@@ -133,12 +142,14 @@ def plot(sweep, path):
     FigureCanvasAgg(fig)  # no pyplot, no global backend: Agg draws this figure alone
     ax = fig.add_subplot()
     points, T = sweep["points"], sweep["T"]
-    value = lambda x: math.nan if x is None else x  # undefined (no draft verified): left out of the plot
+    # undefined (no draft verified): left out of the plot
+    value = lambda x: math.nan if x is None else x
     if sweep["sweep"] == "acceptance":
         # the sweep emulates A; each method's marker sits at the acceptance it measured, under the
         # curve that acceptance promises (k is the same at every point)
         k = points[0]["k"]
-        low = min([m["acceptance"] for p in points for m in p["methods"].values() if m["acceptance"] is not None]
+        low = min([m["acceptance"] for p in points for m in p["methods"].values()
+                   if m["acceptance"] is not None]
                   + [0.5])
         grid = [low + (1 - low) * i / 100 for i in range(101)]
         ax.plot(grid, [ideal_speedup(T, k, a) for a in grid], "-", color="0.25",
@@ -154,12 +165,13 @@ def plot(sweep, path):
     colors = {}
     for i, (marker, name) in enumerate(zip(MARKERS, sweep["shown"][1:])):
         colors[name] = f"C{i}"
-        ax.plot(where(name), [value(p["methods"][name]["speedup"]) for p in points], marker, ls="none",
-                color=colors[name], label=f"{points[0]['methods'][name]['label']}, measured")
+        ax.plot(where(name), [value(p["methods"][name]["speedup"]) for p in points], marker,
+                ls="none", color=colors[name],
+                label=f"{points[0]['methods'][name]['label']}, measured")
     # the schedule's own gain, whatever a call costs: where the time falls short of it, the calls'
     # cost (their width, C, P, the prefill) is why
-    ax.plot(where("wfd"), [value(p["methods"]["wfd"]["r_call_ratio"]) for p in points], "s", mfc="none",
-            color=colors["wfd"], label="WFD, R-call ratio (AR's R calls / WFD's)")
+    ax.plot(where("wfd"), [value(p["methods"]["wfd"]["r_call_ratio"]) for p in points], "s",
+            mfc="none", color=colors["wfd"], label="WFD, R-call ratio (AR's R calls / WFD's)")
     if sweep["sweep"] == "draft-steps":
         ax.set_xticks([p["x"] for p in points])
     ax.set_xlabel(sweep["x_label"])

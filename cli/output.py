@@ -6,16 +6,17 @@ import math
 def answer_text(tokenizer, tokens, stop_token):
     """The text of an answer: every token the model wrote, special ones included (a Thinking model's
     <think> markers), as transformers decodes, but the stop token that ended it."""
-    return tokenizer.decode(tokens[:-1] if stop_token is not None else tokens, skip_special_tokens=False)
+    return tokenizer.decode(tokens[:-1] if stop_token is not None else tokens,
+                            skip_special_tokens=False)
 
 
 class TextStream:
-    """Prints the prompt, then the text of each token as it commits (special tokens included, the stop
-    token left out, as answer_text), decoding only the tokens since the last text printed (from the
-    one before, for context): a long answer costs the same per token as a short one. A character
-    whose bytes span several tokens decodes to U+FFFD until its last byte arrives, so a piece ending in
-    U+FFFD waits for the next token; at the end the whole text is out, exactly the decode of every
-    token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
+    """Prints the prompt, then the text of each token as it commits (special tokens included, the
+    stop token left out, as answer_text), decoding only the tokens since the last text printed (from
+    the one before, for context): a long answer costs the same per token as a short one. A character
+    whose bytes span several tokens decodes to U+FFFD until its last byte arrives, so a piece ending
+    in U+FFFD waits for the next token; at the end the whole text is out, exactly the decode of
+    every token (of a byte-level tokenizer, as Ouro's and Huginn's are)."""
 
     def __init__(self, tokenizer, prompt, stop=()):
         self.tokenizer, self.ids, self.stop = tokenizer, list(prompt), set(stop)
@@ -39,7 +40,8 @@ class TextStream:
 
 def finite(stats):
     """The stats with NaN and inf as None: strict JSON has no NaN (AR's acceptance is undefined)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in stats.items()}
 
 
 def token_match(tokens, reference):
@@ -50,11 +52,14 @@ def token_match(tokens, reference):
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
-    peak = "" if stats["peak_memory_bytes"] is None else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB"
+    peak = ("" if stats["peak_memory_bytes"] is None
+            else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB")
     stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
-    return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls ({stats['r_calls_per_token']:.2f}/token), "
-            f"T={stats['num_steps']} k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
-            f"{stats['tokens_per_s']:.1f} tok/s, KV {stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
+    return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls "
+            f"({stats['r_calls_per_token']:.2f}/token), T={stats['num_steps']} "
+            f"k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
+            f"{stats['tokens_per_s']:.1f} tok/s, KV "
+            f"{stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
 
 
 def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
@@ -74,7 +79,8 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
             verdict = {tick.get("accepted"): "+", tick.get("rejected"): "x"}.get(pos, "")
             if "rejected" in tick and pos > tick["rejected"]:
                 verdict = "-"
-            mark = ("=" if depth == num_steps else "") + verdict + ("d" if tick.get("drafted") == pos + 1 else "")
+            mark = (("=" if depth == num_steps else "") + verdict
+                    + ("d" if tick.get("drafted") == pos + 1 else ""))
             active[pos]["cells"][t] = f"{depth}{mark}"
         if "drafted" in tick:
             pending[tick["drafted"]] = tick["draft"]
@@ -84,15 +90,21 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
         cells = "".join(f"{line['cells'].get(t, ''):>{width}}" for t in range(len(trace)))
         out.append(f"{line['name']:<{name_w}}         {cells}".rstrip())
     committed = sum(1 for tick in trace for pos, depth in tick["rows"] if depth == num_steps)
-    out += ["One column per R call (the looped block run once over a batch of rows), one line per row:",
-            "a new token's position, named by the token it reads in. The number is the depth that row",
+    out += ["One column per R call (the looped block run once over a batch of rows), "
+            "one line per row:",
+            "a new token's position, named by the token it reads in. "
+            "The number is the depth that row",
             "reached in that call.",
-            f"  d  read at the draft depth k={k}: its token is a draft, and the next position starts at once",
-            f"  =  read at the full depth T={num_steps}: AR's token, committed; it checks the draft of the next line",
+            f"  d  read at the draft depth k={k}: its token is a draft, "
+            "and the next position starts at once",
+            f"  =  read at the full depth T={num_steps}: AR's token, committed; "
+            "it checks the draft of the next line",
             "  +  this row's draft was checked and accepted",
-            "  x  this row's draft was rejected: the row is dropped (- and the rows drafted from it), and the",
+            "  x  this row's draft was rejected: "
+            "the row is dropped (- and the rows drafted from it), and the",
             "     position starts again from depth 1 with the committed token",
-            f"{committed} tokens committed in {len(trace)} R calls; AR takes {num_steps} R calls per token."]
+            f"{committed} tokens committed in {len(trace)} R calls; "
+            f"AR takes {num_steps} R calls per token."]
     return "\n".join(out)
 
 
@@ -101,7 +113,8 @@ def text_of(tok, out):
 
 
 def json_line(name, prompt, out, tok, **extra):
-    """One generation as strict JSON: the method, extra (a prompts file's index), the prompt's ids, the
-    new tokens, their text and the stats."""
+    """One generation as strict JSON: the method, extra (a prompts file's index), the prompt's ids,
+    the new tokens, their text and the stats."""
     return json.dumps(dict(method=name, **extra, prompt_ids=prompt, tokens=out.tokens,
-                           text=text_of(tok, out) if tok else None, stats=finite(out.stats)), allow_nan=False)
+                           text=text_of(tok, out) if tok else None, stats=finite(out.stats)),
+                      allow_nan=False)

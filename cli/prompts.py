@@ -15,7 +15,8 @@ def id_list(flag, text):
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, not {text!r}") from None
+        raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, "
+                         f"not {text!r}") from None
 
 
 def default_eos(model):
@@ -30,7 +31,8 @@ def default_eos(model):
 
 
 def read_prompt(args, model):
-    """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end of turn)."""
+    """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end
+    of turn)."""
     if args.chat and args.prompt is None:
         raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     if args.prompt_ids is not None:
@@ -43,9 +45,10 @@ def read_prompt(args, model):
 def text_prompt(args, model, text):
     """A text's ids, raw or with --chat as one user turn, and the stop ids that go with them."""
     if model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids instead of "
-                         "--prompt (in a prompts file, .jsonl lines with prompt_ids)")
-    return chat.chat_prompt(model, text) if args.chat else (encode_text(model, text), default_eos(model))
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --tokenizer, or --prompt-ids "
+                         "instead of --prompt (in a prompts file, .jsonl lines with prompt_ids)")
+    return (chat.chat_prompt(model, text) if args.chat
+            else (encode_text(model, text), default_eos(model)))
 
 
 def file_prompt(args, model, line, jsonl):
@@ -58,8 +61,8 @@ def file_prompt(args, model, line, jsonl):
         raise ValueError(f"not JSON ({err})") from None
     keys = {"prompt", "prompt_ids"} & set(obj) if isinstance(obj, dict) else set()
     if len(keys) != 1:
-        raise ValueError('each line must be a JSON object with "prompt" (text) or "prompt_ids" (token ids), '
-                         'one of them')
+        raise ValueError('each line must be a JSON object with "prompt" (text) or "prompt_ids" '
+                         '(token ids), one of them')
     if "prompt" in keys:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ValueError('"prompt" must be a non-empty string')
@@ -67,14 +70,15 @@ def file_prompt(args, model, line, jsonl):
     ids = obj["prompt_ids"]
     if args.chat:
         raise ValueError("--chat formats text prompts: it cannot take prompt_ids")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in ids):
         raise ValueError('"prompt_ids" must be a list of integers')
     return ids, default_eos(model)
 
 
 def read_prompts(args, model):
-    """--prompts-file: (line numbers, prompts' ids, stop ids: --eos, else the prompts' own). Lines of a
-    .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
+    """--prompts-file: (line numbers, prompts' ids, stop ids: --eos, else the prompts' own). Lines
+    of a .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
     lines, prompts, eos = [], [], set()
     with open(args.prompts_file, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -112,8 +116,10 @@ def specbench_prompts(model, path, categories, per_category, as_chat):
                 q = json.loads(line)
                 cat, turn = q["category"], q["turns"][0]
             except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise ValueError(f"{path} line {n} is not a Spec-Bench question ({type(err).__name__}: {err})") from None
-            if (categories and cat not in categories) or (per_category and taken[cat] >= per_category):
+                raise ValueError(f"{path} line {n} is not a Spec-Bench question "
+                                 f"({type(err).__name__}: {err})") from None
+            if ((categories and cat not in categories)
+                    or (per_category and taken[cat] >= per_category)):
                 continue
             taken[cat] += 1
             turn = turn.strip()
@@ -124,21 +130,25 @@ def specbench_prompts(model, path, categories, per_category, as_chat):
 
 
 def stdlib_prompts(model, per_file, length=48):
-    """The demo's held-out set: the first `length` tokens from each of the first `per_file` top-level
-    defs of every held-out stdlib library file (demo/train.py never trains on them; its own
-    evaluation uses the first def of each)."""
+    """The demo's held-out set: the first `length` tokens from each of the first `per_file`
+    top-level defs of every held-out stdlib library file (demo/train.py never trains on them; its
+    own evaluation uses the first def of each)."""
     if model.tokenizer is None:
-        raise ValueError("this model has no tokenizer.json: use --num-prompts (random token ids) or --questions")
+        raise ValueError("this model has no tokenizer.json: use --num-prompts (random token ids) "
+                         "or --questions")
     prompts = []
     for rel, text in stdlib.library_split()[1]:
         for m in list(re.finditer(r"^def ", text, re.M))[:per_file]:
-            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", category="stdlib",
-                                ids=encode_text(model, text[m.start():])[:length], eos=default_eos(model)))
+            prompts.append(dict(question_id=f"{rel}:{text.count(chr(10), 0, m.start()) + 1}",
+                                category="stdlib",
+                                ids=encode_text(model, text[m.start():])[:length],
+                                eos=default_eos(model)))
     return prompts
 
 
 def random_prompts(model, n, length, seed):
-    """Seeded random token ids, for models without a tokenizer; no EOS, so each runs to the limit."""
+    """Seeded random token ids, for models without a tokenizer; no EOS, so each runs to
+    the limit."""
     g = random.Random(seed)
     return [dict(question_id=i, category="random", eos=None,
                  ids=[g.randrange(model.args.vocab_size) for _ in range(length)]) for i in range(n)]

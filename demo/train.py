@@ -2,7 +2,8 @@
 library's own source, which every machine that runs this has.
 
     python demo/train.py                      # the demo: ~36 min on 2 CPU cores, writes demo/
-    python demo/train.py --smoke --out DIR    # a few steps on a tiny slice, seconds (the tests run it)
+    python demo/train.py --smoke --out DIR    # a few steps on a tiny slice, seconds (the tests
+                                                run it)
     python demo/train.py --eval               # docs/demo.md's figures, measured on held-out files
 
 Deterministic: a fixed seed, a fixed step count, files read in sorted order. It trains on library
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's modules
+# the project's modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
 import wfd  # noqa: E402
 from cli.args import set_threads  # noqa: E402
@@ -32,7 +34,8 @@ CONFIG = dict(  # Ouro's config.json keys: 2 shared layers looped 4 times
     architectures=["OuroForCausalLM"], model_type="ouro", hidden_size=128, num_attention_heads=2,
     num_key_value_heads=2, head_dim=64, intermediate_size=384, vocab_size=2048, num_hidden_layers=2,
     total_ut_steps=4, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
-    hidden_act="silu", tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="float32",
+    hidden_act="silu", tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    torch_dtype="float32",
     wfd_draft_steps=2)  # the draft depth run.py uses for this model (see the README)
 DEPTH_WEIGHTS = (0.1, 0.2, 0.3, 1.0)  # loss at every recurrence, so that shallow depths can draft
 PROMPT_LEN = 48
@@ -95,13 +98,15 @@ def train(args):
     tok = train_tokenizer(train_texts, 512 if args.smoke else CONFIG["vocab_size"])
     data = encode(tok, train_texts)
     print(f"{len(train_texts)} training files, {len(data):,} tokens, "
-          f"{sum(map(len, train_texts)) / len(data):.2f} chars/token; tokenizer {time.time() - t0:.0f}s")
+          f"{sum(map(len, train_texts)) / len(data):.2f} chars/token; tokenizer "
+          f"{time.time() - t0:.0f}s")
     config = dict(CONFIG, vocab_size=tok.get_vocab_size())
     model = models.from_config(config).train().requires_grad_(True)
     init_weights(model, args.seed)
     decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.embed.weight]
     rest = [p for p in model.parameters() if p.dim() < 2 or p is model.embed.weight]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1),
+                             dict(params=rest, weight_decay=0.0)],
                             lr=args.lr, betas=(0.9, 0.95))
     n, steps = config["max_position_embeddings"], args.steps
     weights = torch.tensor(DEPTH_WEIGHTS)
@@ -124,8 +129,10 @@ def train(args):
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             el = time.time() - t0
-            print(f"step {step:5d}  lr {lr:.2e}  CE per depth " + " ".join(f"{v:.3f}" for v in losses.tolist())
-                  + f"  {(step + 1) * args.batch * n / el:,.0f} tok/s  {el / 60:.1f} min", flush=True)
+            print(f"step {step:5d}  lr {lr:.2e}  CE per depth "
+                  + " ".join(f"{v:.3f}" for v in losses.tolist())
+                  + f"  {(step + 1) * args.batch * n / el:,.0f} tok/s  {el / 60:.1f} min",
+                  flush=True)
     model.eval().requires_grad_(False)
     models.save(model, args.out)
     tok.save(os.path.join(args.out, "tokenizer.json"))
@@ -135,7 +142,8 @@ def train(args):
 # -- evaluation ------------------------------------------------------------------------------------
 
 def eval_prompts(tok, count=8, length=PROMPT_LEN):
-    """The first `length` tokens from the first top-level def of the first `count` held-out library files."""
+    """The first `length` tokens from the first top-level def of the first `count` held-out
+    library files."""
     prompts = []
     for _, text in library_split()[1]:
         i = text.find("\ndef ")
@@ -161,13 +169,16 @@ def evaluate(args):
     data = encode(tok, texts)
     chunks = data[:len(data) // (n + 1) * (n + 1)].view(-1, n + 1)
     with torch.no_grad():
-        ce = sum(len(c) * depth_losses(model, c[:, :-1], c[:, 1:]) for c in chunks.split(16)) / len(chunks)
+        ce = (sum(len(c) * depth_losses(model, c[:, :-1], c[:, 1:]) for c in chunks.split(16))
+              / len(chunks))
     bytes_per_token = sum(len(t.encode()) for t in texts) / len(data)
     print(f"{args.out}: torch {torch.__version__}\n")
-    print(f"held-out library code: {len(texts)} files, {len(data):,} tokens, {bytes_per_token:.2f} bytes/token\n")
+    print(f"held-out library code: {len(texts)} files, {len(data):,} tokens, "
+          f"{bytes_per_token:.2f} bytes/token\n")
     print("| depth | " + " | ".join(str(d + 1) for d in range(T)) + " |\n" + "|---" * (T + 1) + "|")
     print("| CE, nats/token | " + " | ".join(f"{v:.3f}" for v in ce.tolist()) + " |")
-    print("| bits/byte | " + " | ".join(f"{v / math.log(2) / bytes_per_token:.3f}" for v in ce.tolist()) + " |")
+    print("| bits/byte | "
+          + " | ".join(f"{v / math.log(2) / bytes_per_token:.3f}" for v in ce.tolist()) + " |")
     print(f"\nCE at depth 1 - CE at depth {T}: {ce[0] - ce[-1]:.3f} nats/token")
 
     texts = eval_prompts(tok, length=PROMPT_LEN + args.new_tokens)
@@ -176,17 +187,20 @@ def evaluate(args):
     eos = model.config.get("eos_token_id")
     ar = [wfd.generate(model, p, args.new_tokens, method="ar", eos_token_id=eos) for p in prompts]
     shares = [distinct_4grams(g.tokens) for g in ar]
-    print(f"\ngreedy continuations of {len(prompts)} held-out prompts, {args.new_tokens} new tokens: share of "
-          f"distinct token 4-grams: mean {statistics.mean(shares):.2f}, min {min(shares):.2f} (the files' own "
-          f"continuations: mean {statistics.mean(map(distinct_4grams, sources)):.2f})")
+    print(f"\ngreedy continuations of {len(prompts)} held-out prompts, {args.new_tokens} new "
+          f"tokens: share of distinct token 4-grams: mean {statistics.mean(shares):.2f}, min "
+          f"{min(shares):.2f} (the files' own continuations: mean "
+          f"{statistics.mean(map(distinct_4grams, sources)):.2f})")
     for p, g, share in zip(prompts, ar, shares):
         print(f"  {share:.2f}  {tok.decode(p)[:36]!r} -> {tok.decode(g.tokens)[:56]!r}")
-    print("\n--- prompt ---\n" + tok.decode(prompts[0]) + "\n--- greedy continuation ---\n" + tok.decode(ar[0].tokens))
+    print("\n--- prompt ---\n" + tok.decode(prompts[0]) + "\n--- greedy continuation ---\n"
+          + tok.decode(ar[0].tokens))
 
-    print(f"\nWFD vs AR: {args.new_tokens} new tokens on each of the {len(prompts)} prompts, the faster of "
-          f"{args.repeats} interleaved runs of each, {torch.get_num_threads()} thread(s); speedup: median over "
-          f"the prompts\n")
-    print("| k | acceptance a | speedup | ideal T / (a*k + (1-a)*T) | speedup / ideal | outputs identical to AR |")
+    print(f"\nWFD vs AR: {args.new_tokens} new tokens on each of the {len(prompts)} prompts, the "
+          f"faster of {args.repeats} interleaved runs of each, {torch.get_num_threads()} "
+          "thread(s); speedup: median over the prompts\n")
+    print("| k | acceptance a | speedup | ideal T / (a*k + (1-a)*T) | speedup / ideal "
+          "| outputs identical to AR |")
     print("|---|---|---|---|---|---|")
     for k in range(1, T + 1):  # k = T drafts nothing: WFD is AR, and the ideal is 1
         speedups, accepted, verified, same = [], 0, 0, True
@@ -194,7 +208,8 @@ def evaluate(args):
             best = {"ar": math.inf, "wfd": math.inf}
             for _ in range(args.repeats):  # interleaved, so that a busy spell hits both alike
                 for method in ("ar", "wfd"):
-                    g = wfd.generate(model, p, args.new_tokens, method=method, draft_steps=k, eos_token_id=eos)
+                    g = wfd.generate(model, p, args.new_tokens, method=method, draft_steps=k,
+                                     eos_token_id=eos)
                     best[method] = min(best[method], g.stats["wall_s"])
                     same &= g.tokens == ref.tokens
             speedups.append(best["ar"] / best["wfd"])
@@ -203,20 +218,25 @@ def evaluate(args):
         a = accepted / verified if verified else 0.0
         ideal = T / (a * k + (1 - a) * T)
         speedup = statistics.median(speedups)
-        print(f"| {k} | {f'{a:.3f}' if verified else '-'} | {speedup:.2f}x | {ideal:.2f}x | {speedup / ideal:.2f} | {'yes' if same else 'NO'} |",
+        print(f"| {k} | {f'{a:.3f}' if verified else '-'} | {speedup:.2f}x | {ideal:.2f}x | "
+              f"{speedup / ideal:.2f} | {'yes' if same else 'NO'} |",
               flush=True)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=HERE, help="model folder (default: demo/, this script's)")
-    p.add_argument("--smoke", action="store_true", help="a few steps on a tiny slice, to test the script")
-    p.add_argument("--eval", action="store_true", help="measure the model in --out instead of training")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few steps on a tiny slice, to test the script")
+    p.add_argument("--eval", action="store_true",
+                   help="measure the model in --out instead of training")
     p.add_argument("--steps", type=int, default=3600)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for training and the loss evaluation")
+    p.add_argument("--threads", type=int, default=2,
+                   help="CPU threads for training and the loss evaluation")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()

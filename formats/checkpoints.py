@@ -1,12 +1,14 @@
-"""The checkpoint formats: where each family keeps its tensors (layouts), reading a checkpoint from a
-folder or the hub with every name, shape and value checked, and writing one in the official layout.
+"""The checkpoint formats: where each family keeps its tensors (layouts), reading a checkpoint from
+a folder or the hub with every name, shape and value checked, and writing one in the
+official layout.
 
     Ouro, Huginn   config.json (model_type) + safetensors (one file or shards with an index); the
                    Raven retrofits share Huginn's model_type and names, told apart by their tensors
-    LoopFormer     the same, its keys prefixed `gpt.`; its config leaves out the sizes (defaults) and
-                   the iteration count (the repo id's)
-    Parcae         config.json (the dump of ParcaeConfig, named by _class_name) + pytorch_model.bin (or
-                   model.pt), a torch pickle read with weights_only; its tokenizer lives in its own repo
+    LoopFormer     the same, its keys prefixed `gpt.`; its config leaves out the sizes (defaults)
+                   and the iteration count (the repo id's)
+    Parcae         config.json (the dump of ParcaeConfig, named by _class_name) + pytorch_model.bin
+                   (or model.pt), a torch pickle read with weights_only; its tokenizer lives in
+                   its own repo
 
 models.load and models.save are the API; this module knows the model only by its attributes.
 """
@@ -24,15 +26,19 @@ from tqdm import tqdm
 
 from formats import configs
 
-NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")  # Block's, in the checkpoints' order
-PICKLES = ("pytorch_model.bin", "model.pt")  # Parcae's weights: the hub's file name, then its repo's
+# Block's, in the checkpoints' order
+NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+# Parcae's weights: the hub's file name, then its repo's
+PICKLES = ("pytorch_model.bin", "model.pt")
 
 
 def _blocks(a):
     """(our prefix, the checkpoint's prefix) of every block of Huginn, the retrofits and Parcae,
     prelude first."""
-    groups = (("prelude", "prelude", a.n_prelude), ("core", "core_block", a.n_core), ("coda", "coda", a.n_coda))
-    return [(f"{ours}.{i}.", f"transformer.{theirs}.{i}.") for ours, theirs, n in groups for i in range(n)]
+    groups = (("prelude", "prelude", a.n_prelude), ("core", "core_block", a.n_core),
+              ("coda", "coda", a.n_coda))
+    return [(f"{ours}.{i}.", f"transformer.{theirs}.{i}.") for ours, theirs, n in groups
+            for i in range(n)]
 
 
 def checkpoint_layout(a):
@@ -44,17 +50,20 @@ def checkpoint_layout(a):
     if a.kind == "ouro":
         for i in range(a.n_core):
             src, dst = f"model.layers.{i}.", f"core.{i}."
-            layout[dst + "qkv.weight"] = [(src + f"self_attn.{n}_proj.weight", r) for n, r in zip("qkv", qkv)]
+            layout[dst + "qkv.weight"] = [(src + f"self_attn.{n}_proj.weight", r)
+                                          for n, r in zip("qkv", qkv)]
             layout[dst + "proj.weight"] = [(src + "self_attn.o_proj.weight", None)]
             layout[dst + "fc.weight"] = [(src + "mlp.gate_proj.weight", a.hidden_dim),
                                          (src + "mlp.up_proj.weight", a.hidden_dim)]
             layout[dst + "down.weight"] = [(src + "mlp.down_proj.weight", None)]
             for ours, theirs in zip(NORMS, ["input_layernorm", "input_layernorm_2",
-                                            "post_attention_layernorm", "post_attention_layernorm_2"]):
+                                            "post_attention_layernorm",
+                                            "post_attention_layernorm_2"]):
                 layout[dst + ours] = [(src + theirs + ".weight", None)]
         layout["embed.weight"] = [("model.embed_tokens.weight", None)]
         layout["norm"] = [("model.norm.weight", None)]
-        unused, rope = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}, None  # always full depth
+        # always full depth
+        unused, rope = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}, None
     elif a.kind in ("huginn", "retrofit"):
         # the block's norms in order are the checkpoint's norm_1, norm_2, ...: Huginn's four, a
         # Llama retrofit's input norms, an OLMo-2 retrofit's output norms
@@ -115,11 +124,13 @@ def _parcae_layout(a, layout, unused):
         layout[dst + "mlp_norm"] = [(src + "norm_2.weight", None)]
         if k in mixing:
             layout[dst + "ve_gate.weight"] = [(src + "attn.ve_gate.weight", None)]
-        elif k in a.ve_gates:  # a gate without its table: the official code ignores it, and so do we
+        # a gate without its table: the official code ignores it, and so do we
+        elif k in a.ve_gates:
             unused.add(src + "attn.ve_gate.weight")
     if mixing:
         layout["value_embed"] = [(f"value_embeds.{k}.weight", a.vocab_size) for k in mixing]
-    unused.update(f"value_embeds.{k}.weight" for k in a.ve_tables if k not in mixing)  # tables without a gate
+    # tables without a gate
+    unused.update(f"value_embeds.{k}.weight" for k in a.ve_tables if k not in mixing)
     layout["embed.weight"] = [("transformer.wte.weight", None)]
     for name in ("A_log", "dt_bias", "B"):
         layout["adapter." + name] = [("transformer.adapter." + name, None)]
@@ -134,27 +145,31 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
 
 
 def resolve(source, files=HUB_FILES, what="model folder"):
-    """A local folder, or a hub id fetched with huggingface_hub (`files`: by default config, weights,
-    tokenizer only). A name that can only be a path (./x, /x, ~/x, a/b/c) is never sent to the hub."""
+    """A local folder, or a hub id fetched with huggingface_hub (`files`: by default config,
+    weights, tokenizer only). A name that can only be a path (./x, /x, ~/x, a/b/c) is never sent to
+    the hub."""
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
-        raise FileNotFoundError(f"{source} is a file, not a model folder (one holding config.json and the weights)")
+        raise FileNotFoundError(f"{source} is a file, not a model folder (one holding config.json "
+                                "and the weights)")
     if not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", source):
         raise FileNotFoundError(f"no such {what}: {source}")
     from huggingface_hub import snapshot_download
     try:
         folder = snapshot_download(source, allow_patterns=files)
         if files is HUB_FILES and not any(n.endswith(".safetensors") for n in os.listdir(folder)):
-            # no safetensors: Parcae's torch pickle, fetched only then (a repo may hold both formats)
+            # no safetensors: Parcae's torch pickle, fetched only then (a repo may hold
+            # both formats)
             folder = snapshot_download(source, allow_patterns=list(PICKLES))
         return folder
     except Exception as err:
         raise ConnectionError(
-            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}), and there is "
-            "no local folder of that name. The hub is unreachable from here or the id is wrong; download "
-            "it on a machine that can reach it and pass its local folder instead") from err
+            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}), "
+            "and there is no local folder of that name. The hub is unreachable from here or the id "
+            "is wrong; download it on a machine that can reach it and pass its local "
+            "folder instead") from err
 
 
 def read_json(path):
@@ -174,20 +189,23 @@ def stop_tokens(config, path):
     turn with different tokens) as a tuple."""
     eos = config.get("eos_token_id")
     ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"{path}: eos_token_id must be a token id or a list of token ids, not {eos!r}")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and t >= 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of token ids, "
+                         f"not {eos!r}")
     return tuple(ids)
 
 
 def read_chat_files(model, folder):
-    """tokenizer_config.json, the chat template (chat_template.jinja where the checkpoint has one, as
-    Hugging Face reads it, else tokenizer_config.json's) and the stop ids (generation_config.json's,
-    else config.json's), onto the model."""
+    """tokenizer_config.json, the chat template (chat_template.jinja where the checkpoint has one,
+    as Hugging Face reads it, else tokenizer_config.json's) and the stop ids
+    (generation_config.json's, else config.json's), onto the model."""
     path = os.path.join(folder, "tokenizer_config.json")
     model.tokenizer_config = read_json(path) if os.path.exists(path) else {}
     template = model.tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(path):
         with open(path) as f:
@@ -216,19 +234,21 @@ def load_tokenizer(source):
     has a repo of its own, SandyResearch/parcae-tokenizer)."""
     path = os.path.expanduser(source)
     if not os.path.isfile(path):
-        path = os.path.join(resolve(source, ["tokenizer.json"], "tokenizer file or folder"), "tokenizer.json")
+        path = os.path.join(resolve(source, ["tokenizer.json"], "tokenizer file or folder"),
+                            "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {source}")
     from tokenizers import Tokenizer
     try:
         return Tokenizer.from_file(path)
     except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"{path} is not a tokenizer.json that tokenizers can read: {err}") from None
+        raise ValueError(f"{path} is not a tokenizer.json that tokenizers can "
+                         f"read: {err}") from None
 
 
 class Checkpoint:
-    """A checkpoint folder (or hub id) opened: its config, and its tensors by name, read when asked for.
-    models.load builds the model of the config, then load_into fills it."""
+    """A checkpoint folder (or hub id) opened: its config, and its tensors by name, read when asked
+    for. models.load builds the model of the config, then load_into fills it."""
 
     def __init__(self, source):
         self.folder = resolve(source)
@@ -242,29 +262,35 @@ class Checkpoint:
         self.weights = Weights(self.folder)  # its names tell huginn-0125 from a retrofit
 
     def dtype(self, a):
-        """The dtype of the checkpoint's embedding (a ModelArgs' family), float32 where it has none."""
+        """The dtype of the checkpoint's embedding (a ModelArgs' family), float32 where it
+        has none."""
         key = checkpoint_layout(a)[0]["embed.weight"][0][0]
         return self.weights.read(key).dtype if key in self.weights.keys() else torch.float32
 
     def load_into(self, model):
-        """The chat files, the weights (every tensor checked: name, shape, finite values; damaged weights
-        would otherwise decode to garbage, as argmax of NaN logits is token 0) and the tokenizer."""
+        """The chat files, the weights (every tensor checked: name, shape, finite values; damaged
+        weights would otherwise decode to garbage, as argmax of NaN logits is token 0) and
+        the tokenizer."""
         folder, weights, a = self.folder, self.weights, model.args
         read_chat_files(model, folder)  # before the weights: a damaged file is named in seconds
         layout, unused, rope = checkpoint_layout(a)
-        expected = {k for parts in layout.values() for k, _ in parts} | unused | ({rope} if rope else set())
+        expected = ({k for parts in layout.values() for k, _ in parts} | unused
+                    | ({rope} if rope else set()))
         missing = sorted(expected - unused - weights.keys())
         if missing:
             raise ValueError(f"checkpoint {folder} lacks tensor {missing[0]!r}"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         unexpected = sorted(weights.keys() - expected)
         if unexpected:
-            raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {a.kind} model of this config"
-                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+            raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} for a {a.kind} "
+                             "model of this config"
+                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1
+                                else ""))
         params = dict(model.named_parameters())
-        big = sum(os.path.getsize(path) for path in weights.paths) > 1e9  # worth a progress bar (on a terminal)
-        for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor", file=sys.stderr,
-                                disable=None if big else True):
+        # worth a progress bar (on a terminal)
+        big = sum(os.path.getsize(path) for path in weights.paths) > 1e9
+        for name, parts in tqdm(layout.items(), desc=f"loading {folder}", unit="tensor",
+                                file=sys.stderr, disable=None if big else True):
             p, row = params[name], 0
             for key, rows in parts:
                 want = (rows or p.shape[0],) + tuple(p.shape[1:])
@@ -278,7 +304,8 @@ class Checkpoint:
             want = (1, a.max_seq_len, 1, a.head_dim // 2, 2)
             if tuple(t.shape) != want:
                 raise ValueError(f"tensor {rope!r} has shape {tuple(t.shape)}, expected {want}")
-            model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(model.device) for i in (0, 1))
+            model.rope_cos, model.rope_sin = (t[0, :, 0, :, i].float().to(model.device)
+                                              for i in (0, 1))
         tok_path = os.path.join(folder, "tokenizer.json")
         if os.path.exists(tok_path):
             model.tokenizer = load_tokenizer(tok_path)
@@ -299,7 +326,8 @@ def _weight_files(folder):
         names = ([n for n in PICKLES if os.path.exists(os.path.join(folder, n))][:1]
                  or sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")))
     if not names:
-        raise FileNotFoundError(f"no weights in {folder}: no *.safetensors, and no {' or '.join(PICKLES)}")
+        raise FileNotFoundError(f"no weights in {folder}: no *.safetensors, and no "
+                                f"{' or '.join(PICKLES)}")
     paths = [os.path.join(folder, n) for n in names]
     for path in paths:
         if not os.path.exists(path):
@@ -332,7 +360,8 @@ class Weights:
             with _open(self.file[key]) as f:
                 t = f.get_tensor(key)
         if not torch.isfinite(t).all():
-            raise ValueError(f"tensor {key!r} in {self.file[key]} holds NaN or inf: the weights are damaged")
+            raise ValueError(f"tensor {key!r} in {self.file[key]} holds NaN or inf: the weights "
+                             "are damaged")
         return t
 
 
@@ -342,7 +371,8 @@ def _open(path):
         with safe_open(path, "pt") as f:
             yield f
     except SafetensorError as err:
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or damaged?): {err}") from None
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or "
+                         f"damaged?): {err}") from None
 
 
 def _load_pickle(path):
@@ -354,17 +384,21 @@ def _load_pickle(path):
         except RuntimeError as err:
             if "mmap can only be used" not in str(err):
                 raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # the pre-zip format cannot be mapped
+            # the pre-zip format cannot be mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if "Weights only load failed" in str(err):
-            raise ValueError(f"{path} holds more than tensors ({refused.group(1) if refused else 'an object'}), "
-                             "which weights_only loading refuses: a pickle can run code; this one is not loaded") from None
+            raise ValueError(f"{path} holds more than tensors "
+                             f"({refused.group(1) if refused else 'an object'}), which "
+                             "weights_only loading refuses: a pickle can run code; this one is "
+                             "not loaded") from None
         raise ValueError(f"{path} is not a readable torch checkpoint: {err}") from None
     except (RuntimeError, EOFError) as err:
         raise ValueError(f"{path} is not a readable torch checkpoint (truncated or damaged?): "
                          f"{str(err).splitlines()[0]}") from None
-    if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
+    if not (isinstance(state, dict)
+            and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
         raise ValueError(f"{path} does not hold a state dict (tensors by name)")
     return state
 
@@ -377,7 +411,8 @@ def save(model, folder):
     params, tensors = dict(model.named_parameters()), {}
     for name, parts in layout.items():
         p, row = params[name].detach(), 0
-        for key, rows in parts:  # each a copy of its own: torch.save would write a view's whole storage
+        # each a copy of its own: torch.save would write a view's whole storage
+        for key, rows in parts:
             tensors[key] = p[row:row + (rows or p.shape[0])].to("cpu", copy=True)
             row += rows or p.shape[0]
     if model.kind == "ouro":  # the official code requires the (unused) exit gate
@@ -386,8 +421,8 @@ def save(model, folder):
     if rope:
         tensors[rope] = torch.stack([model.rope_cos, model.rope_sin], -1)[None, :, None].cpu()
     if model.args.tie_embeddings and model.kind in ("huginn", "parcae"):
-        # the official files hold the tied head twice: Parcae's one tensor under both names; safetensors,
-        # which refuses shared tensors, a copy
+        # the official files hold the tied head twice: Parcae's one tensor under both names;
+        # safetensors, which refuses shared tensors, a copy
         wte = tensors["transformer.wte.weight"]
         tensors["lm_head.weight"] = wte if model.kind == "parcae" else wte.clone()
     if model.kind == "parcae":

@@ -1,5 +1,5 @@
-"""Sampling that every schedule reproduces exactly (docs/sampling.md): the Gumbel-max rule with noise
-that is a function of (seed, position, token) alone, so a draft and the full-depth token at a
+"""Sampling that every schedule reproduces exactly (docs/sampling.md): the Gumbel-max rule with
+noise that is a function of (seed, position, token) alone, so a draft and the full-depth token at a
 position are drawn with the same noise, and a row's draw does not depend on its batch."""
 import math
 from dataclasses import dataclass
@@ -22,7 +22,8 @@ class Sampling:
         t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)
         return Sampler(self.temperature == 0, t(self.temperature, torch.float64),
                        None if self.top_k is None else t(self.top_k, torch.int64),
-                       None if self.top_p is None or self.top_p >= 1 else t(self.top_p, torch.float64),
+                       None if self.top_p is None or self.top_p >= 1
+                       else t(self.top_p, torch.float64),
                        t(seed_key(self.seed), torch.int64))
 
 
@@ -43,7 +44,8 @@ def mix32(x):
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M32
     x = x ^ (x >> 15)
-    x = (x * 0x046CA68B + ((x & 1) << 31)) & M32  # x * 0x846CA68B, its top bit's product added apart
+    # x * 0x846CA68B, its top bit's product added apart
+    x = (x * 0x046CA68B + ((x & 1) << 31)) & M32
     return x ^ (x >> 16)
 
 
@@ -58,7 +60,8 @@ def seed_key(seed):
 
 def gumbel(key, pos, vocab):
     """Gumbel noise g(key, pos, v) [n, vocab], float64, on pos's device: a function of the three
-    integers alone, whichever batch a row comes in. key: seed_key(seed), an int or an int64 tensor."""
+    integers alone, whichever batch a row comes in. key: seed_key(seed), an int or an
+    int64 tensor."""
     row = mix32(pos ^ key)  # positions are far below 2^32
     h = mix32((row[:, None] + mix32(torch.arange(vocab, device=pos.device))) & M32)
     u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1): never 0 or 1, so both logs are finite
@@ -66,14 +69,14 @@ def gumbel(key, pos, vocab):
 
 
 def choose(logits, pos, sampling):
-    """The tokens at positions `pos` [n] from the logits [n, V] of the rows before them, int64 [n] on
-    the logits' device, without a host sync. sampling: a Sampling, or its tensors (Sampling.on).
+    """The tokens at positions `pos` [n] from the logits [n, V] of the rows before them, int64 [n]
+    on the logits' device, without a host sync. sampling: a Sampling, or its tensors (Sampling.on).
     Temperature 0: argmax. Else the Gumbel-max rule: argmax over the allowed tokens of logits /
-    temperature + gumbel(seed, pos, v), an exact sample of the filtered softmax. Drafts and full depth
-    use it alike, so a draft is right iff it equals AR's token. Filters: top-k keeps the logits >= the
-    k-th largest (ties included); then top-p keeps the tokens whose probability (softmax of logits /
-    temperature) is >= that of the last token of the shortest prefix, in descending order, whose
-    probabilities sum to top_p (ties included again)."""
+    temperature + gumbel(seed, pos, v), an exact sample of the filtered softmax. Drafts and full
+    depth use it alike, so a draft is right iff it equals AR's token. Filters: top-k keeps the
+    logits >= the k-th largest (ties included); then top-p keeps the tokens whose probability
+    (softmax of logits / temperature) is >= that of the last token of the shortest prefix, in
+    descending order, whose probabilities sum to top_p (ties included again)."""
     s = sampling.on(logits.device) if isinstance(sampling, Sampling) else sampling
     if s.greedy:
         return logits.argmax(-1)
@@ -84,7 +87,8 @@ def choose(logits, pos, sampling):
     if s.top_p is not None:
         probs = z.softmax(-1)
         ranked = probs.sort(descending=True).values
-        above = ranked.cumsum(-1) - ranked  # probability of the tokens ranked before each; 0 for the first
+        # probability of the tokens ranked before each; 0 for the first
+        above = ranked.cumsum(-1) - ranked
         last = (above < s.top_p).sum(-1, keepdim=True) - 1
         z = z.masked_fill(probs < ranked.gather(-1, last), -math.inf)
     return (z + gumbel(s.key, pos.to(z.device), z.shape[-1])).argmax(-1)
