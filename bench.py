@@ -1,4 +1,4 @@
-"""Spec-Bench-style speed comparison of AR, draft-then-verify and the wavefront on one looped LM.
+r"""Spec-Bench-style speed comparison of AR, draft-then-verify and the wavefront on one looped LM.
 
 Every prompt is decoded by every method (after a warm-up); each output is checked against AR token
 for token; a markdown table per category and overall is printed, and one JSONL of answers per method
@@ -11,7 +11,7 @@ is written in Spec-Bench's answer format.
     python bench.py --sweep acceptance --plot acc.png     # a row per point, sweep-acceptance.json
     python bench.py --plot-from bench_out/sweep-acceptance.json --plot acc.png  # saved points again
     python bench.py --batch-size 4                        # every method, 4 sequences at a time
-    python bench.py --random-weights configs/ouro-2.6b.json --acceptance 0.9 --num-prompts 8
+    python bench.py --random-weights configs/ouro-2.6b.json --acceptance 0.9 --num-prompts 8 \
         --batch-sizes 1,2,4,8
 
 --random-weights builds a model of that config with random weights (real sizes without the real
@@ -19,7 +19,7 @@ weights). --acceptance A makes each draft right with probability A, from a seede
 the draft is replaced by AR's token or by a wrong one before it is used, so every call still runs
 and the output still equals AR's. Such results are labelled "emulated". --sweep runs every method at
 each point of a sweep (emulated acceptance, draft depth k, prompt length) for the paper's figures;
---plot draws one with matplotlib, an optional dependency (figures.py: the table and the figure).
+--plot draws one with matplotlib, an optional dependency (cli/figures.py: the table and the figure).
 --batch-size B decodes the prompt set through B slots in one batched call per method, a finished
 sequence's slot taking the next prompt; --batch-sizes sweeps it.
 """

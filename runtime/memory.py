@@ -57,7 +57,7 @@ def new_cache(model, capacity, num_steps, window, slots=1):
         raise ValueError(f"the KV cache for {batch}{capacity} positions needs {need} bytes "
                          f"({need / 2**30:.2f} GiB), but {model.device} has {free} bytes free: at "
                          f"most {low} positions (prompt + max_new_tokens - 1) fit; ask for fewer "
-                         "new tokens{', a smaller batch_size' if slots > 1 else ''}, or use "
+                         f"new tokens{', a smaller batch_size' if slots > 1 else ''}, or use "
                          "kv='shared' or a smaller dtype")
     return kv.make_cache(model, capacity, num_steps, window, batch=slots)
 

@@ -147,6 +147,6 @@ def test_batched_bad_input_names_the_prompt(monkeypatch):
             wfd.generate(model, prompts, 4, **kw)
     # the cache of every slot is checked against free memory before allocating
     monkeypatch.setattr(memory, "free_memory", lambda device: kv.cache_bytes(model, 16, 4, None, 3) + 1)
-    with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions.*smaller batch_size"):
+    with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions.*fewer new tokens, a smaller batch_size, or use"):
         wfd.generate(model, [[1, 2, 3]] * 3, 15, num_steps=4)
     assert len(wfd.generate(model, [[1, 2, 3]] * 3, 14, num_steps=4)) == 3
