@@ -2,8 +2,8 @@
 
 `python -m pytest -q` runs the quick suite, which checks every exactness claim at least once;
 `python -m pytest -q --runslow` runs the whole suite: the tests marked slow too (compile matrices,
-the training smoke run, sweeps, long subprocess runs), each a longer check of a claim the quick suite
-also checks.
+the training smoke run, sweeps, long subprocess runs), each a longer check of a claim the quick
+suite also checks.
 
 The tests' tiny models see a few dozen positions, fewer than one attention block of a real run
 (kv.BLOCK): with blocks of 8 keys every decoding test reads and merges several of them."""
@@ -13,7 +13,8 @@ import kv
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", help="run the whole suite, the slow tests too")
+    parser.addoption("--runslow", action="store_true",
+                     help="run the whole suite, the slow tests too")
 
 
 def pytest_configure(config):

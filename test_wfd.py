@@ -1,5 +1,6 @@
-"""Tests: parity with the official implementations (golden checkpoints in tests/testdata/, computed by the
-official code, see tests/testdata/README.md), and every decoding schedule token-exact against greedy AR."""
+"""Tests: parity with the official implementations (golden checkpoints in tests/testdata/, computed
+by the official code, see tests/testdata/README.md), and every decoding schedule token-exact against
+greedy AR."""
 import fnmatch
 import json
 import os
@@ -23,7 +24,8 @@ from layers import transformer
 torch.set_num_threads(1)  # the test models are tiny: a second thread only adds overhead
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GOLDEN = {name: os.path.join(HERE, "tests", "testdata", name) for name in ("huginn_A", "ouro_A", "parcae_A")}
+GOLDEN = {name: os.path.join(HERE, "tests", "testdata", name)
+          for name in ("huginn_A", "ouro_A", "parcae_A")}
 
 
 def golden(name):
@@ -57,7 +59,8 @@ def cached_greedy(model, prompt, n_new, num_steps):
 
 TOL = {"huginn_A": 2e-4, "ouro_A": 1e-4, "parcae_A": 1e-4}  # testdata/README.md: forward tensors
 GENERATION = {  # golden: (T, greedy tokens, cached logits, no-cache logits, their tolerance)
-    "huginn_A": (8, "tokens_generated", "gen_logits_cached_steps8", "gen_logits_nocache_steps8", 1e-3),
+    "huginn_A": (8, "tokens_generated", "gen_logits_cached_steps8", "gen_logits_nocache_steps8",
+                 1e-3),
     "ouro_A": (4, "gen_cached_tokens", "gen_cached_logits", "gen_nocache_logits", 1e-4),
     "parcae_A": (4, "gen_tokens", "gen_logits_cached", "gen_logits_nocache", 1e-4),
 }
@@ -84,7 +87,8 @@ def loaded(request, name):
 
 
 def recurrence_states(model, ids, steps, s0=None):
-    """Per recurrence (the core's input, the raw state after it) through the P / R calls, without cache."""
+    """Per recurrence (the core's input, the raw state after it) through the P / R calls,
+    without cache."""
     pos = torch.arange(len(ids))
     e, s = model.P(torch.tensor(ids), pos)
     s = s if s0 is None else s0
@@ -105,12 +109,14 @@ def test_huginn_forward_matches_golden(huginn):
     assert close(adapters, g["adapter_out_per_step_steps8"], **tol)
     assert close(states, g["core_state_per_step_steps8"], **tol)
     for k in (1, 2, 4, 8):
-        assert close(transformer.rms_norm(states[k - 1], huginn.norm, 1e-6), g[f"latent_zero_init_steps{k}"], **tol)
+        assert close(transformer.rms_norm(states[k - 1], huginn.norm, 1e-6),
+                     g[f"latent_zero_init_steps{k}"], **tol)
     for k in (0, 1, 2, 4, 8):
         assert close(huginn.logits(ids, num_steps=k), g[f"logits_zero_init_steps{k}"], **tol), k
     assert close(huginn.logits(torch.tensor([ids])), g["logits_zero_init_default_steps"], **tol)
     pos = torch.arange(len(ids))
-    coda = huginn._layers(huginn.coda, transformer.rms_norm(states[-1], huginn.norm, 1e-6), huginn.to_device(pos, None, None))
+    coda = huginn._layers(huginn.coda, transformer.rms_norm(states[-1], huginn.norm, 1e-6),
+                          huginn.to_device(pos, None, None))
     assert close(coda, g["coda_out_steps8"], **tol)
     assert close(transformer.rms_norm(coda, huginn.norm, 1e-6), g["final_hidden_steps8"], **tol)
 
@@ -120,22 +126,27 @@ def test_parcae_forward_matches_golden(parcae):
     ids, tol, eps = meta["prompt_ids"], dict(atol=1e-4), parcae.args.norm_eps
     pos, x = torch.arange(len(ids)), parcae.embed(torch.tensor(ids))
     assert close(x, g["embed"], **tol)
-    raw = parcae._layers(parcae.prelude, x, parcae.to_device(pos, None, None), parcae.value_embeddings(torch.tensor(ids)))
+    raw = parcae._layers(parcae.prelude, x, parcae.to_device(pos, None, None),
+                         parcae.value_embeddings(torch.tensor(ids)))
     assert close(raw, g["prelude_raw"], **tol)
     assert close(transformer.rms_norm(raw, parcae.prelude_norm, eps), g["prelude_out"], **tol)
     e, inputs, states = recurrence_states(parcae, ids, 4)
-    assert close(inputs, g["adapter_out_per_step"], **tol)  # [0] = the injection term P made: s0 = 0
+    # [0] = the injection term P made: s0 = 0
+    assert close(inputs, g["adapter_out_per_step"], **tol)
     assert close(states, g["state_per_step"], **tol)
     for k in range(1, 5):
         assert close(parcae.C(states[k - 1], e, pos), g["logits_per_step"][k - 1], **tol), k
     assert close(parcae.logits(ids), g["logits"], **tol)  # the default depth is mean_recurrence, 4
-    assert close(parcae.logits(ids, num_steps=2), g["logits_default_forward"], **tol)  # the official default drew 2
+    # the official default drew 2
+    assert close(parcae.logits(ids, num_steps=2), g["logits_default_forward"], **tol)
     c_out = parcae.coda_in(states[-1])
-    coda = parcae._layers(parcae.coda, c_out, parcae.to_device(pos, None, None), e[:, parcae.args.dim:])
+    coda = parcae._layers(parcae.coda, c_out, parcae.to_device(pos, None, None),
+                          e[:, parcae.args.dim:])
     assert close(c_out, g["C_out"], **tol) and close(coda, g["coda_out"], **tol)
     assert close(transformer.rms_norm(coda, parcae.norm, eps), g["final_hidden"], **tol)
     # value embeddings are mixed in exactly where the official code mixes them
-    names = ([f"prelude.{i}" for i in range(len(parcae.prelude))] + [f"core_block.{j}" for j in range(len(parcae.core))]
+    names = ([f"prelude.{i}" for i in range(len(parcae.prelude))]
+             + [f"core_block.{j}" for j in range(len(parcae.core))]
              + [f"coda.{i}" for i in range(len(parcae.coda))])
     blocks = list(parcae.prelude) + list(parcae.core) + list(parcae.coda)
     assert ({n for n, b in zip(names, blocks) if b.ve_gate is not None}
@@ -143,7 +154,8 @@ def test_parcae_forward_matches_golden(parcae):
 
 
 RANDOM_STATE = {  # golden: (the explicit s0, [(depth, logits)], states per step, logits per step)
-    "huginn_A": ("random_init_state", [(4, "logits_random_init_steps4"), (8, "logits_random_init_steps8")],
+    "huginn_A": ("random_init_state",
+                 [(4, "logits_random_init_steps4"), (8, "logits_random_init_steps8")],
                  "core_state_per_step_random_init_steps8", None),
     "parcae_A": ("init_state_random", [(4, "logits_random_init")], "state_per_step_random_init",
                  "logits_per_step_random_init"),
@@ -166,7 +178,8 @@ def test_explicit_random_state_matches_golden(name, request):
 
 @pytest.mark.parametrize("name", GENERATION)
 def test_generation_matches_golden(name, request):
-    """Greedy decoding through the per-depth KV cache, and by full recomputation, as the official code."""
+    """Greedy decoding through the per-depth KV cache, and by full recomputation, as the
+    official code."""
     model, (meta, g) = loaded(request, name), golden(name)
     T, tokens, cached, nocache, atol = GENERATION[name]
     ids, want = meta["prompt_ids"], g[tokens].tolist()
@@ -179,14 +192,17 @@ def test_generation_matches_golden(name, request):
     assert wfd.generate(model, ids, 24, method="ar", num_steps=T).tokens == want
 
 
-@pytest.mark.parametrize("name,s0", [("huginn_A", "random_init_state"), ("parcae_A", "init_state_random")])
+@pytest.mark.parametrize("name,s0",
+                         [("huginn_A", "random_init_state"), ("parcae_A", "init_state_random")])
 def test_random_initial_state_is_seeded_by_position(name, s0):
     m = models.load(GOLDEN[name], state_init="random", seed=3)
     a, b = m.initial_state(torch.tensor([5, 6, 7])), m.initial_state(torch.tensor([7]))
     assert torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
-    bound = 3 * m.args.init_std * m.args.embed_scale  # like-init: cut at 3 sigma, times the embedding scale
+    # like-init: cut at 3 sigma, times the embedding scale
+    bound = 3 * m.args.init_std * m.args.embed_scale
     assert a.abs().max() <= bound + 1e-6
-    assert 0.9 * bound < golden(name)[1][s0].abs().max() <= bound + 1e-6  # the official draw: same sigma and scale
+    # the official draw: same sigma and scale
+    assert 0.9 * bound < golden(name)[1][s0].abs().max() <= bound + 1e-6
     other = models.load(GOLDEN[name], state_init="random", seed=4).initial_state(torch.tensor([7]))
     assert not torch.equal(other, b)
     # the tied head: the stored duplicate equals wte, and the model uses one matrix for both
@@ -214,21 +230,26 @@ COMMON = ["rope layout", "final norm", "untied head"]
 PARCAE = ["qk norm", "value embeddings", "relu2 scale", "no decay", "prelude norm"]
 
 
-@pytest.mark.parametrize("name,mutation", [("ouro_A", m) for m in COMMON + ["norm placement", "norm eps"]] +
-                         [("huginn_A", m) for m in COMMON + ["norm placement", "adapter", "qk_bias", "no embed scale"]]
+@pytest.mark.parametrize("name,mutation",
+                         [("ouro_A", m) for m in COMMON + ["norm placement", "norm eps"]] +
+                         [("huginn_A", m) for m in COMMON
+                          + ["norm placement", "adapter", "qk_bias", "no embed scale"]]
                          + [("parcae_A", m) for m in COMMON + ["norm eps"] + PARCAE])
 def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
     model = models.load(GOLDEN[name], state_init="zero")
     if mutation == "rope layout":
         rope = transformer.apply_rope
-        monkeypatch.setattr(transformer, "apply_rope", lambda x, c, s, inter: rope(x, c, s, not inter))
-    elif mutation == "norm eps":  # not Huginn: it moves Huginn's logits less than their 2e-4 tolerance
+        monkeypatch.setattr(transformer, "apply_rope",
+                            lambda x, c, s, inter: rope(x, c, s, not inter))
+    elif mutation == "norm eps":
+        # not Huginn: it moves Huginn's logits less than their 2e-4 tolerance
         model.args.norm_eps = {"ouro_A": 1e-5, "parcae_A": 1e-6}[name]
     elif mutation == "norm placement":  # post-residual norms where the other family puts them
         model.args.post_norm = not model.args.post_norm
     elif mutation == "final norm":  # Ouro's model.norm / Huginn's and Parcae's ln_f skipped
         norm = models.rms_norm
-        monkeypatch.setattr(models, "rms_norm", lambda x, w, eps: x if w is model.norm else norm(x, w, eps))
+        monkeypatch.setattr(models, "rms_norm",
+                            lambda x, w, eps: x if w is model.norm else norm(x, w, eps))
     elif mutation == "prelude norm":
         model.prelude_norm.data.fill_(1.0)
     elif mutation == "qk norm":
@@ -240,7 +261,8 @@ def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
         relu = transformer.F.relu
         monkeypatch.setattr(transformer.F, "relu", lambda x: relu(x) * 2 ** 0.5)
     elif mutation == "no decay":  # s + softplus(dt) * (e B^T)
-        monkeypatch.setattr(transformer.DiagonalInjection, "decay", lambda self: torch.ones_like(self.A_log))
+        monkeypatch.setattr(transformer.DiagonalInjection, "decay",
+                            lambda self: torch.ones_like(self.A_log))
     elif mutation == "adapter":  # concat(e, s) instead of concat(s, e)
         w = model.adapter.weight
         w.data = torch.cat([w[:, w.shape[1] // 2:], w[:, :w.shape[1] // 2]], 1)
@@ -249,7 +271,8 @@ def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
             blk.qk_bias.data.zero_()
     elif mutation == "untied head":
         model.lm_head.weight = torch.nn.Parameter(model.embed.weight.roll(1, 0)
-                                                  if name != "ouro_A" else model.embed.weight.clone())
+                                                  if name != "ouro_A"
+                                                  else model.embed.weight.clone())
     elif mutation == "no embed scale":
         model.args.embed_scale = 1.0
     meta, g = golden(name)
@@ -257,7 +280,8 @@ def test_goldens_catch_wrong_variants(name, mutation, monkeypatch):
         got = model.logits(meta["prompt_ids"], num_steps=8, state=g["random_init_state"])
         assert not close(got, g["logits_random_init_steps8"], atol=2e-4)
     else:
-        assert not close(model.logits(meta["prompt_ids"]), g["logits" if name == "parcae_A" else "default_logits"],
+        assert not close(model.logits(meta["prompt_ids"]),
+                         g["logits" if name == "parcae_A" else "default_logits"],
                          atol=1e-4)
 
 
@@ -267,7 +291,8 @@ def test_sharded_bf16_checkpoint_loads(tmp_path, ouro):
     meta, g = golden("ouro_A")
     tensors = load_file(os.path.join(GOLDEN["ouro_A"], "model.safetensors"))
     keys = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    shards = {"model-00001-of-00002.safetensors": keys[::2],
+              "model-00002-of-00002.safetensors": keys[1::2]}
     for fname, ks in shards.items():
         save_file({k: tensors[k].to(torch.bfloat16) for k in ks}, tmp_path / fname)
     with open(tmp_path / "model.safetensors.index.json", "w") as f:
@@ -276,7 +301,8 @@ def test_sharded_bf16_checkpoint_loads(tmp_path, ouro):
         (tmp_path / "config.json").write_text(f.read())
     m = models.load(str(tmp_path))
     assert m.dtype == torch.bfloat16
-    assert (m.logits(meta["prompt_ids"]) - g["default_logits"]).abs().max() < 0.5  # bf16 rounding only
+    # bf16 rounding only
+    assert (m.logits(meta["prompt_ids"]) - g["default_logits"]).abs().max() < 0.5
     m32 = models.load(str(tmp_path), dtype=torch.float32)
     assert m32.dtype == torch.float32
 
@@ -290,7 +316,8 @@ def read_weights(name):
 
 
 def broken_copy(tmp_path, name, edit_config=None, edit_tensors=None, file=None):
-    """A golden checkpoint rewritten, its config and tensors edited first (into `file`, default theirs)."""
+    """A golden checkpoint rewritten, its config and tensors edited first
+    (into `file`, default theirs)."""
     with open(os.path.join(GOLDEN[name], "config.json")) as f:
         config = json.load(f)
     tensors, theirs = read_weights(name)
@@ -310,21 +337,27 @@ def broken_copy(tmp_path, name, edit_config=None, edit_tensors=None, file=None):
 
 def test_load_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown model_type 'llama'.*'ouro'.*'huginn_raven'"):
-        models.load(broken_copy(tmp_path / "a", "ouro_A", edit_config=lambda c: c.update(model_type="llama")))
+        models.load(broken_copy(tmp_path / "a", "ouro_A",
+                                edit_config=lambda c: c.update(model_type="llama")))
     with pytest.raises(ValueError, match="lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
-        models.load(broken_copy(tmp_path / "b", "ouro_A", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")))
+        models.load(broken_copy(tmp_path / "b", "ouro_A",
+                                edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")))
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.2.mlp.up_proj.weight'"):
         models.load(broken_copy(tmp_path / "c", "ouro_A", edit_tensors=lambda t: t.update(
             {"model.layers.2.mlp.up_proj.weight": torch.zeros(1)})))
-    with pytest.raises(ValueError, match=r"'transformer.adapter.weight' has shape \(64, 64\), expected \(64, 128\)"):
+    with pytest.raises(ValueError, match=r"'transformer.adapter.weight' has shape \(64, 64\), "
+                       r"expected \(64, 128\)"):
         models.load(broken_copy(tmp_path / "d", "huginn_A", edit_tensors=lambda t: t.update(
             {"transformer.adapter.weight": torch.zeros(64, 64)})))
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape"):
-        models.load(broken_copy(tmp_path / "e", "ouro_A", edit_config=lambda c: c.update(num_key_value_heads=4)))
+        models.load(broken_copy(tmp_path / "e", "ouro_A",
+                                edit_config=lambda c: c.update(num_key_value_heads=4)))
     with pytest.raises(ValueError, match="does not support: rope_scaling="):
-        models.load(broken_copy(tmp_path / "f", "ouro_A", edit_config=lambda c: c.update(rope_scaling={"type": "yarn"})))
+        models.load(broken_copy(tmp_path / "f", "ouro_A",
+                                edit_config=lambda c: c.update(rope_scaling={"type": "yarn"})))
     with pytest.raises(ValueError, match="lacks 'n_layers_in_coda'"):
-        models.load(broken_copy(tmp_path / "g", "huginn_A", edit_config=lambda c: c.pop("n_layers_in_coda")))
+        models.load(broken_copy(tmp_path / "g", "huginn_A",
+                                edit_config=lambda c: c.pop("n_layers_in_coda")))
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         models.load(str(tmp_path / "no" / "such" / "folder"))
     (tmp_path / "empty").mkdir()
@@ -350,38 +383,49 @@ def test_parcae_load_errors_name_the_problem(tmp_path, capsys):
     cases = [
         (dict(edit_config=lambda c: c.update(_class_name="GPTConfig")),
          "unknown _class_name 'GPTConfig' in config.json; supported: .*'ParcaeConfig'"),
-        (dict(edit_tensors=lambda t: t.pop("value_embeds.3.weight")), "lacks tensor 'value_embeds.3.weight'"),
+        (dict(edit_tensors=lambda t: t.pop("value_embeds.3.weight")),
+         "lacks tensor 'value_embeds.3.weight'"),
         (dict(edit_tensors=lambda t: t.pop("transformer.core_block.0.attn.ve_gate.weight")),
          "lacks tensor 'transformer.core_block.0.attn.ve_gate.weight'"),
-        (dict(edit_tensors=lambda t: t.update({"transformer.core_block.1.attn.ve_gate.weight": torch.zeros(4, 32)})),
+        (dict(edit_tensors=lambda t: t.update(
+            {"transformer.core_block.1.attn.ve_gate.weight": torch.zeros(4, 32)})),
          "unexpected tensor 'transformer.core_block.1.attn.ve_gate.weight'"),
         (dict(edit_tensors=lambda t: t.update({"transformer.C.weight": torch.zeros(64, 32)})),
          r"'transformer.C.weight' has shape \(64, 32\), expected \(64, 64\)"),
-        (dict(edit_tensors=nan), r"tensor 'transformer.adapter.B' in \S+pytorch_model\.bin holds NaN or inf"),
-        (dict(edit_config=lambda c: c.update(init_strategy="takase")), "does not support: init_strategy='takase'"),
-        (dict(edit_config=lambda c: c.update(recurrent_embedding_dimension=32)), "recurrent_embedding_dimension 32"),
+        (dict(edit_tensors=nan),
+         r"tensor 'transformer.adapter.B' in \S+pytorch_model\.bin holds NaN or inf"),
+        (dict(edit_config=lambda c: c.update(init_strategy="takase")),
+         "does not support: init_strategy='takase'"),
+        (dict(edit_config=lambda c: c.update(recurrent_embedding_dimension=32)),
+         "recurrent_embedding_dimension 32"),
         (dict(edit_config=lambda c: c.update(num_key_value_heads=2)), "grouped-query attention"),
         (dict(edit_tensors=lambda t: t.update(extra=Payload())),
-         r"pytorch_model\.bin holds more than tensors \(print\), which weights_only loading refuses"),
-        (dict(edit_tensors=lambda t: t.update(step=3)), r"pytorch_model\.bin does not hold a state dict"),
+         r"pytorch_model\.bin holds more than tensors \(print\), "
+         r"which weights_only loading refuses"),
+        (dict(edit_tensors=lambda t: t.update(step=3)),
+         r"pytorch_model\.bin does not hold a state dict"),
     ]
     for i, (edit, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             models.load(broken_copy(tmp_path / str(i), "parcae_A", **edit))
     assert "the payload ran" not in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"pytorch_model\.bin is not a readable torch checkpoint \(truncated"):
-        models.load(damaged_copy(tmp_path / "cut", "parcae_A", "pytorch_model.bin", lambda d: d[:len(d) // 2]))
+    with pytest.raises(ValueError,
+                       match=r"pytorch_model\.bin is not a readable torch checkpoint \(truncated"):
+        models.load(damaged_copy(tmp_path / "cut", "parcae_A", "pytorch_model.bin",
+                                 lambda d: d[:len(d) // 2]))
 
 
 def test_parcae_weight_files(tmp_path, parcae):
-    """model.pt (the name parcae_lm's own save gives it) and the pre-zip torch format, which cannot be
-    mapped into memory, load as pytorch_model.bin does."""
+    """model.pt (the name parcae_lm's own save gives it) and the pre-zip torch format, which cannot
+    be mapped into memory, load as pytorch_model.bin does."""
     ids = [0, 5, 9, 3]
     for i, (file, legacy) in enumerate([("model.pt", False), ("pytorch_model.bin", True)]):
         folder = broken_copy(tmp_path / str(i), "parcae_A", file=file)
         if legacy:
-            torch.save(read_weights("parcae_A")[0], os.path.join(folder, file), _use_new_zipfile_serialization=False)
-        assert torch.equal(models.load(folder, state_init="zero").logits(ids), parcae.logits(ids)), file
+            torch.save(read_weights("parcae_A")[0], os.path.join(folder, file),
+                       _use_new_zipfile_serialization=False)
+        assert torch.equal(models.load(folder, state_init="zero").logits(ids),
+                           parcae.logits(ids)), file
 
 
 def test_hub_downloads_fetch_the_weights_each_family_has(tmp_path, monkeypatch):
@@ -390,17 +434,20 @@ def test_hub_downloads_fetch_the_weights_each_family_has(tmp_path, monkeypatch):
     import huggingface_hub
     calls = []
 
-    def snapshot_download(repo, allow_patterns):  # a hub that holds the golden checkpoints, goldens aside
+    # a hub that holds the golden checkpoints, goldens aside
+    def snapshot_download(repo, allow_patterns):
         calls.append((repo, allow_patterns))
         src, folder = GOLDEN[repo.split("/")[1]], tmp_path / repo.replace("/", "--")
         folder.mkdir(exist_ok=True)
         for name in os.listdir(src):
-            if not name.startswith("golden") and any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+            if not name.startswith("golden") and any(fnmatch.fnmatch(name, p)
+                                                     for p in allow_patterns):
                 shutil.copy(os.path.join(src, name), folder)
         return str(folder)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert models.load("hub/parcae_A").kind == "parcae" and models.load("hub/ouro_A").kind == "ouro"
-    assert calls == [("hub/parcae_A", checkpoints.HUB_FILES), ("hub/parcae_A", list(checkpoints.PICKLES)),
+    assert calls == [("hub/parcae_A", checkpoints.HUB_FILES),
+                     ("hub/parcae_A", list(checkpoints.PICKLES)),
                      ("hub/ouro_A", checkpoints.HUB_FILES)]
     shutil.copy(os.path.join(HERE, "demo", "tokenizer.json"), tmp_path / "hub--parcae_A")
     assert checkpoints.load_tokenizer("hub/parcae_A").get_vocab_size() == 2048
@@ -408,7 +455,8 @@ def test_hub_downloads_fetch_the_weights_each_family_has(tmp_path, monkeypatch):
 
 
 def damaged_copy(tmp_path, name, file, damage):
-    """A copy of a golden checkpoint (and the demo's tokenizer) with `file` rewritten by damage(bytes)."""
+    """A copy of a golden checkpoint (and the demo's tokenizer) with `file` rewritten by
+    damage(bytes)."""
     shutil.copytree(GOLDEN[name], tmp_path)
     shutil.copy(os.path.join(HERE, "demo", "tokenizer.json"), tmp_path)
     path = tmp_path / file
@@ -422,17 +470,22 @@ def test_damaged_files_are_named(tmp_path):
         return data[:header_end + 64] + b"\xff" * 4096 + data[header_end + 64 + 4096:]
     cases = [("config.json", lambda d: d[:20], r"config\.json is not valid JSON"),
              ("config.json", lambda d: b"[1, 2]", r"config\.json holds a JSON list, not an object"),
-             ("model.safetensors", lambda d: d[:len(d) // 2], r"model\.safetensors is not a readable safetensors file"),
-             ("model.safetensors", lambda d: d[:8] + b"\xff" * 64 + d[72:], r"model\.safetensors is not a readable"),
-             ("model.safetensors", nan_weights, r"tensor '[\w.]+' in \S+model\.safetensors holds NaN or inf"),
-             ("tokenizer.json", lambda d: d[:100], r"tokenizer\.json is not a tokenizer\.json that tokenizers can read")]
+             ("model.safetensors", lambda d: d[:len(d) // 2],
+              r"model\.safetensors is not a readable safetensors file"),
+             ("model.safetensors", lambda d: d[:8] + b"\xff" * 64 + d[72:],
+              r"model\.safetensors is not a readable"),
+             ("model.safetensors", nan_weights,
+              r"tensor '[\w.]+' in \S+model\.safetensors holds NaN or inf"),
+             ("tokenizer.json", lambda d: d[:100],
+              r"tokenizer\.json is not a tokenizer\.json that tokenizers can read")]
     for i, (file, damage, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             models.load(damaged_copy(tmp_path / str(i), "ouro_A", file, damage))
 
 
 def test_missing_folders_and_devices_are_told_apart(tmp_path, monkeypatch):
-    for path in ("./no_such_model", "../no/such", str(tmp_path / "nothing"), "~/no_such_model", "a/b/c"):
+    for path in ("./no_such_model", "../no/such", str(tmp_path / "nothing"), "~/no_such_model",
+                 "a/b/c"):
         with pytest.raises(FileNotFoundError, match="no such model folder: " + re.escape(path)):
             models.load(path)
     with pytest.raises(FileNotFoundError, match="is a file, not a model folder"):
@@ -451,14 +504,16 @@ def test_save_roundtrip(tmp_path, huginn, ouro, parcae):
     # Parcae's file is the official one: the same tensors under the same names, the tied head shared
     saved = torch.load(tmp_path / "parcae" / "pytorch_model.bin", weights_only=True)
     official, _ = read_weights("parcae_A")
-    assert saved.keys() == official.keys() and all(torch.equal(saved[k], official[k]) for k in official)
+    assert saved.keys() == official.keys() and all(torch.equal(saved[k], official[k])
+                                                   for k in official)
     assert saved["lm_head.weight"].data_ptr() == saved["transformer.wte.weight"].data_ptr()
 
 
 # -- decoding: every schedule equals greedy AR -----------------------------------------------------
 
-# Parcae's (P, R, C, T, mean_backprop_depth): value embeddings in the core and the coda, as released;
-# in the core only, the coda's table and gate left without each other; in each group, T = 3; T = 5
+# Parcae's (P, R, C, T, mean_backprop_depth): value embeddings in the core and the coda, as
+# released; in the core only, the coda's table and gate left without each other; in each group,
+# T = 3; T = 5
 PARCAE_LAYOUTS = [(1, 2, 1, 4, 2), (1, 1, 2, 4, 2), (2, 2, 2, 3, 1), (1, 1, 2, 5, 2)]
 
 
@@ -468,11 +523,13 @@ def tiny_config(kind, seed):
     heads = rng.choice([2, 4])
     if kind == "parcae":  # a vocabulary padded from 61 to 64
         P, R, C, T, depth = PARCAE_LAYOUTS[seed % len(PARCAE_LAYOUTS)]
-        return dict(_class_name="ParcaeConfig", n_embd=32, num_attention_heads=heads, num_key_value_heads=heads,
+        return dict(_class_name="ParcaeConfig", n_embd=32,
+                    num_attention_heads=heads, num_key_value_heads=heads,
                     intermediate_size=64, recurrent_embedding_dimension=32,
-                    recurrent_intermediation_embedding_dimension=48, vocab_size=61, padding_multiple=16,
-                    n_layers_in_prelude=P, n_layers_in_recurrent_block=R, n_layers_in_coda=C, mean_recurrence=T,
-                    mean_backprop_depth=depth, block_size=96, norm_eps=1e-5, qk_norm=True, prelude_norm=True,
+                    recurrent_intermediation_embedding_dimension=48, vocab_size=61,
+                    padding_multiple=16, n_layers_in_prelude=P, n_layers_in_recurrent_block=R,
+                    n_layers_in_coda=C, mean_recurrence=T, mean_backprop_depth=depth, block_size=96,
+                    norm_eps=1e-5, qk_norm=True, prelude_norm=True,
                     tie_embeddings=True, injection_type="diagonal", state_init="like-init",
                     rope_settings=dict(use_rope=True, rope_condense_ratio=1, rope_base=50000))
     if kind == "ouro":
@@ -494,8 +551,8 @@ DEVICE = os.environ.get("WFD_TEST_DEVICE", "cpu")
 
 
 def tiny_model(kind, seed, dtype=torch.float64):
-    return models.from_config(tiny_config(kind, seed), device=DEVICE, dtype=dtype, state_init="random", seed=seed,
-                              init_seed=seed)
+    return models.from_config(tiny_config(kind, seed), device=DEVICE, dtype=dtype,
+                              state_init="random", seed=seed, init_seed=seed)
 
 
 CASES = [(kind, seed) for kind in ("ouro", "huginn", "parcae") for seed in (0, 1, 2)]
@@ -505,7 +562,8 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 def quick(params, *chosen):
     """A parametrize list with every entry but the chosen ones marked slow: the quick suite checks a
     claim on a few cases (each family, each reduced precision somewhere), the whole suite on all."""
-    return [p if p in chosen else pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow)
+    return [p if p in chosen
+            else pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow)
             for p in params]
 
 
@@ -528,9 +586,10 @@ def exact(model, prompt, n_new, method, k, draft_len=4, **kw):
 
 
 @pytest.mark.parametrize("kind,seed,dtype", quick(
-    [(kind, seed, torch.float64) for kind, seed in CASES] + [(kind, seed, dtype) for kind, seed in CASES[::2]
-                                                             for dtype in DTYPES[1:]],
-    ("ouro", 2, torch.float16), ("huginn", 1, torch.bfloat16), ("parcae", 2, torch.bfloat16)), ids=str)
+    [(kind, seed, torch.float64) for kind, seed in CASES]
+    + [(kind, seed, dtype) for kind, seed in CASES[::2] for dtype in DTYPES[1:]],
+    ("ouro", 2, torch.float16), ("huginn", 1, torch.bfloat16),
+    ("parcae", 2, torch.bfloat16)), ids=str)
 def test_wfd_and_dtv_equal_ar_at_every_draft_depth(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)
     T = model.num_steps
@@ -542,12 +601,14 @@ def test_wfd_and_dtv_equal_ar_at_every_draft_depth(kind, seed, dtype):
         for k in range(1, T + 1):
             for method in ("wfd", "dtv"):
                 out = exact(model, prompt, n_new, method, k, draft_len=1 + k % 3)
-                if dtype == torch.float64:  # rounding too small to flip a token: 1-row AR's tokens too
+                # rounding too small to flip a token: 1-row AR's tokens too
+                if dtype == torch.float64:
                     assert out.tokens == ar.tokens, (method, k, n_prompt)
 
 
 def ar_reference(model, prompt, n_new, k=None):
-    """AR's tokens (at the width of draft depth k), and a lookup of AR's token at an absolute position."""
+    """AR's tokens (at the width of draft depth k), and a lookup of AR's token at an
+    absolute position."""
     ref = wfd.generate(model, prompt, n_new, method="ar", draft_steps=k).tokens
     return ref, lambda pos: ref[pos - len(prompt)]
 
@@ -562,7 +623,8 @@ def test_forced_wrong_drafts_still_give_ar(kind, seed, dtype):
     for k in range(1, T):
         ref, at = ar_reference(model, prompt, n_new, k)
         every = lambda pos, tok: (at(pos) + 1) % V                      # every draft wrong
-        some = lambda pos, tok: (at(pos) + 1) % V if pos % 3 == 0 else at(pos)  # wrong at chosen positions
+        some = lambda pos, tok: ((at(pos) + 1) % V if pos % 3 == 0      # wrong at chosen positions
+                                 else at(pos))
         for method in ("wfd", "dtv"):
             out = exact(model, prompt, n_new, method, k, draft_hook=every)
             assert out.stats["accepted"] == 0 and out.stats["rejected"] > 0
@@ -584,7 +646,8 @@ def test_r_calls_match_the_schedule_at_both_extremes(kind):
         # prefill T; the first decoded token after T ticks, then one every k ticks
         assert right.tokens == ref and right.stats["r_calls"] == T + T + (M - 2) * k
         assert right.stats["acceptance"] == 1.0 or k == T
-        wrong = wfd.generate(model, prompt, M, draft_steps=k, draft_hook=lambda pos, tok: (at(pos) + 1) % V)
+        wrong = wfd.generate(model, prompt, M, draft_steps=k,
+                             draft_hook=lambda pos, tok: (at(pos) + 1) % V)
         # every draft rejected: a restart per token, T ticks each, as AR
         assert wrong.tokens == ref and wrong.stats["r_calls"] == T * M
     ar = wfd.generate(model, prompt, M, method="ar")
@@ -603,35 +666,45 @@ def test_eos_in_the_middle_of_a_wave(kind, seed, dtype):
         for i in (0, 1, 7, 15):
             eos = ref[i]
             stop = ref.index(eos)  # AR stops at the first occurrence
-            for method, hook in (("wfd", None), ("wfd", lambda pos, tok: at(pos)), ("dtv", lambda pos, tok: at(pos))):
-                out = exact(model, prompt, 30, method, k, draft_len=3, eos_token_id=eos, draft_hook=hook)
+            for method, hook in (("wfd", None), ("wfd", lambda pos, tok: at(pos)),
+                                 ("dtv", lambda pos, tok: at(pos))):
+                out = exact(model, prompt, 30, method, k, draft_len=3, eos_token_id=eos,
+                            draft_hook=hook)
                 assert out.tokens == ref[:stop + 1], (method, k, i)
 
 
 @pytest.mark.parametrize("kind,seed", [("ouro", 0), ("huginn", 1)])
 def test_a_collection_of_stop_ids_stops_at_the_first_of_them(kind, seed):
     """Real checkpoints stop at several ids (end of text, end of turn): every method stops where AR
-    does, at the first of them, whichever row of a wave commits it, and exactly (tokens and logits)."""
+    does, at the first of them, whichever row of a wave commits it, and exactly
+    (tokens and logits)."""
     model = tiny_model(kind, seed, torch.float32)
     prompt, V = [5, 6, 7], model.args.vocab_size
     for k in (1, model.num_steps - 1):  # the widest wave, and one of two rows
         ref, at = ar_reference(model, prompt, 20, k)
-        shared = wfd.generate(model, prompt, 20, method="ar", draft_steps=k, kv="shared").tokens  # its own AR
+        # its own AR
+        shared = wfd.generate(model, prompt, 20, method="ar", draft_steps=k, kv="shared").tokens
         absent = next(t for t in range(V) if t not in ref + shared)
         for (i, j), form in zip(((0, 3), (12, 4), (16, 7)), (list, tuple, set)):
-            for method, hook, sharing, want in (("ar", None, "full", ref), ("wfd", None, "full", ref),
+            for method, hook, sharing, want in (("ar", None, "full", ref),
+                                           ("wfd", None, "full", ref),
                                            ("wfd", lambda p, t: at(p), "full", ref),
-                                           ("dtv", lambda p, t: at(p), "full", ref), ("wfd", None, "shared", shared)):
+                                           ("dtv", lambda p, t: at(p), "full", ref),
+                                           ("wfd", None, "shared", shared)):
                 eos = form([absent, want[i], want[j]])
                 first = min(p for p, t in enumerate(want) if t in eos)
-                out = exact(model, prompt, 20, method, k, draft_len=3, eos_token_id=eos, draft_hook=hook, kv=sharing)
-                assert out.tokens == want[:first + 1] and out.stats["stop_token"] == want[first], (method, k, eos)
+                out = exact(model, prompt, 20, method, k, draft_len=3, eos_token_id=eos,
+                            draft_hook=hook, kv=sharing)
+                assert (out.tokens == want[:first + 1]
+                        and out.stats["stop_token"] == want[first]), (method, k, eos)
     out = wfd.generate(model, prompt, 20, draft_steps=k, eos_token_id=absent)
-    assert out.tokens == ref and out.stats["stop_token"] is None and out.stats["eos_token_ids"] == [absent]
+    assert (out.tokens == ref and out.stats["stop_token"] is None
+            and out.stats["eos_token_ids"] == [absent])
 
 
-@pytest.mark.parametrize("name,steps", quick([("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4), ("parcae_A", 4),
-                                              ("parcae_A", 6)], ("huginn_A", 4), ("ouro_A", 4), ("parcae_A", 4)))
+@pytest.mark.parametrize("name,steps", quick([("huginn_A", 8), ("huginn_A", 4), ("ouro_A", 4),
+                                              ("parcae_A", 4), ("parcae_A", 6)],
+                                             ("huginn_A", 4), ("ouro_A", 4), ("parcae_A", 4)))
 def test_float32_goldens_every_method_and_depth(name, steps, request):
     model, (meta, g) = loaded(request, name), golden(name)
     T, tokens = GENERATION[name][:2]
@@ -640,7 +713,8 @@ def test_float32_goldens_every_method_and_depth(name, steps, request):
         assert ar.tokens == g[tokens].tolist()
     for k in range(1, steps + 1):
         for method in ("wfd", "dtv"):
-            out = wfd.generate(model, meta["prompt_ids"], 24, method=method, num_steps=steps, draft_steps=k)
+            out = wfd.generate(model, meta["prompt_ids"], 24, method=method, num_steps=steps,
+                               draft_steps=k)
             assert out.tokens == ar.tokens, (method, k)
 
 
@@ -657,16 +731,21 @@ def test_bad_input_gives_clear_errors(ouro):
         wfd.generate(ouro, [1] * 200, 57)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         wfd.generate(ouro, [1, 128], 5)
-    with pytest.raises(ValueError, match="width 1 is too small: wfd needs at least 4 rows per call"):
+    with pytest.raises(ValueError,
+                       match="width 1 is too small: wfd needs at least 4 rows per call"):
         wfd.generate(ouro, [1], 5, draft_steps=1, width=1)
-    with pytest.raises(ValueError, match="width 4 is too small: dtv needs at least 5 rows per call"):
+    with pytest.raises(ValueError,
+                       match="width 4 is too small: dtv needs at least 5 rows per call"):
         wfd.generate(ouro, [1], 5, method="dtv", width=4)
-    with pytest.raises(ValueError, match=r"capacity 5 must hold the prompt and the new tokens but the last \(6\)"):
+    with pytest.raises(ValueError, match=r"capacity 5 must hold the prompt and the new tokens "
+                       r"but the last \(6\)"):
         wfd.generate(ouro, [1, 2], 5, capacity=5)
     with pytest.raises(ValueError, match="method must be"):
         wfd.generate(ouro, [1], 5, method="beam")
-    for eos, message in (("2", "not '2'"), (2.0, "not 2.0"), ([1, "2"], "holds '2'"), ([True], "holds True"),
-                         ([1, 128], "eos_token_id 128 is outside the vocabulary"), (-1, "eos_token_id -1 is outside")):
+    for eos, message in (("2", "not '2'"), (2.0, "not 2.0"), ([1, "2"], "holds '2'"),
+                         ([True], "holds True"),
+                         ([1, 128], "eos_token_id 128 is outside the vocabulary"),
+                         (-1, "eos_token_id -1 is outside")):
         with pytest.raises(ValueError, match=message):
             wfd.generate(ouro, [1], 5, eos_token_id=eos)
     with pytest.raises(ValueError, match=r"state has shape \(3, 64\), expected \(2, 64\)"):
@@ -678,13 +757,15 @@ def test_bad_input_gives_clear_errors(ouro):
 
 def test_prompt_forms(ouro):
     want = wfd.generate(ouro, [1, 2, 3], 4).tokens
-    for prompt in ((1, 2, 3), torch.tensor([1, 2, 3]), torch.tensor([[1, 2, 3]]), np.array([1, 2, 3])):
+    for prompt in ((1, 2, 3), torch.tensor([1, 2, 3]), torch.tensor([[1, 2, 3]]),
+                   np.array([1, 2, 3])):
         assert wfd.generate(ouro, prompt, np.int64(4)).tokens == want
     refused = [("abc", TypeError, "not text"), ([1.0, 2.0], TypeError, "integers, not float"),
-               ([True, False], TypeError, "integers, not bool"), (torch.tensor([[1, 2], [3, 4]]), ValueError,
-               r"shape \[2, 2\]"), (5, ValueError, "one sequence of token ids"),
-               (Tokenizer.from_file(os.path.join(HERE, "demo", "tokenizer.json")).encode("x"), TypeError,
-                r"Encoding: pass its \.ids")]
+               ([True, False], TypeError, "integers, not bool"),
+               (torch.tensor([[1, 2], [3, 4]]), ValueError, r"shape \[2, 2\]"),
+               (5, ValueError, "one sequence of token ids"),
+               (Tokenizer.from_file(os.path.join(HERE, "demo", "tokenizer.json")).encode("x"),
+                TypeError, r"Encoding: pass its \.ids")]
     for prompt, error, message in refused:
         with pytest.raises(error, match=message):
             wfd.generate(ouro, prompt, 4)
@@ -703,20 +784,23 @@ def test_non_finite_logits_are_refused():
 # -- exact cross-recurrence KV sharing -------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,seed,dtype", quick(
-    [(kind, seed, torch.float64) for kind, seed in CASES] + [(kind, seed, dtype) for kind, seed in CASES[1::2]
-                                                             for dtype in DTYPES[2:]],
+    [(kind, seed, torch.float64) for kind, seed in CASES]
+    + [(kind, seed, dtype) for kind, seed in CASES[1::2] for dtype in DTYPES[2:]],
     ("ouro", 1, torch.bfloat16)), ids=str)
 def test_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)
     prompt, n_new = [3, 1, 4, 1, 5][:1 + seed * 2], 30
     V = model.args.vocab_size
     for k in range(1, model.num_steps + 1):
-        ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, keep_logits=True)
+        ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k,
+                          keep_logits=True)
         at = lambda pos: ar.tokens[pos - len(prompt)]
-        hooks = [None, lambda pos, tok: (at(pos) + 1) % V,  # natural drafts, all wrong, wrong at chosen positions
+        # natural drafts, all wrong, wrong at chosen positions
+        hooks = [None, lambda pos, tok: (at(pos) + 1) % V,
                  lambda pos, tok: at(pos) if pos % 3 else (at(pos) + 1) % V]
         for hook in hooks:
-            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, draft_hook=hook, keep_logits=True)
+            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, draft_hook=hook,
+                               keep_logits=True)
             assert same_logits(out, ar), (k, hook)
         eos = ar.tokens[n_new // 2]
         stop = ar.tokens.index(eos)
@@ -731,18 +815,21 @@ def test_shared_kv_with_a_window_over_everything_is_full_kv(kind):
     prompt, n_new = [9, 8, 7], 25
     full = wfd.generate(model, prompt, n_new, method="ar", keep_logits=True)
     for method in ("ar", "wfd"):
-        out = wfd.generate(model, prompt, n_new, method=method, kv="shared", window=len(prompt) + n_new,
-                           keep_logits=True)
+        out = wfd.generate(model, prompt, n_new, method=method, kv="shared",
+                           window=len(prompt) + n_new, keep_logits=True)
         assert out.tokens == full.tokens
         assert torch.allclose(torch.stack(out.logits), torch.stack(full.logits), atol=1e-9)
 
 
-@pytest.mark.parametrize("name,steps", quick([("huginn_A", 8), ("ouro_A", 4), ("parcae_A", 4)], ("ouro_A", 4)))
+@pytest.mark.parametrize("name,steps",
+                         quick([("huginn_A", 8), ("ouro_A", 4), ("parcae_A", 4)], ("ouro_A", 4)))
 def test_shared_kv_float32_goldens(name, steps, request):
     model, (meta, _) = loaded(request, name), golden(name)
     for k in range(1, steps + 1):
-        ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps, draft_steps=k, kv="shared")
-        out = wfd.generate(model, meta["prompt_ids"], 24, num_steps=steps, draft_steps=k, kv="shared")
+        ar = wfd.generate(model, meta["prompt_ids"], 24, method="ar", num_steps=steps,
+                          draft_steps=k, kv="shared")
+        out = wfd.generate(model, meta["prompt_ids"], 24, num_steps=steps, draft_steps=k,
+                           kv="shared")
         assert out.tokens == ar.tokens, k
 
 
@@ -759,19 +846,20 @@ def test_shared_kv_memory_is_at_least_10x_smaller():
 def test_shared_kv_refuses_what_it_cannot_do_exactly(ouro):
     with pytest.raises(ValueError, match="not exact for draft-then-verify"):
         wfd.generate(ouro, [1, 2], 5, method="dtv", kv="shared")
-    with pytest.raises(ValueError, match=r"window 1 is narrower than the wavefront \(ceil\(T/k\) = 4 rows\)"):
+    with pytest.raises(ValueError,
+                       match=r"window 1 is narrower than the wavefront \(ceil\(T/k\) = 4 rows\)"):
         wfd.generate(ouro, [1, 2], 5, kv="shared", draft_steps=1, window=1)
     with pytest.raises(ValueError, match="window only applies to kv='shared'"):
         wfd.generate(ouro, [1, 2], 5, window=3)
 
 
-# -- attention by blocks -----------------------------------------------------------------------------
+# -- attention by blocks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "shared"])
 def test_blocks_only_other_rows_see_change_no_bit(window):
-    """A row's attention alone, and beside a row that sees 5 more key blocks, bit for bit in bfloat16:
-    at a looped layer (per-depth slots, or the shared cache's window and final blocks) and at the
-    coda (one slot for all rows)."""
+    """A row's attention alone, and beside a row that sees 5 more key blocks, bit for bit in
+    bfloat16: at a looped layer (per-depth slots, or the shared cache's window and final blocks) and
+    at the coda (one slot for all rows)."""
     model = tiny_model("huginn", 1, torch.bfloat16)
     a, B = model.args, kv.BLOCK
     cache = kv.make_cache(model, 8 * B, model.num_steps, window)
@@ -811,7 +899,8 @@ def test_merging_blocks_costs_bfloat16_no_accuracy(sums):
         exact = torch.einsum("nhb,nhbd->nhd", probs, vd)
         error = lambda y: (y.double() - exact).abs().max()
         one_call = kv.block_attention(q, k, v, visible, need_lse=False, sums=False)[0]
-        merged = kv.attend_blocks(q, [(k[:, :, lo:lo + B], v[:, :, lo:lo + B], visible[:, lo:lo + B])
+        merged = kv.attend_blocks(q, [(k[:, :, lo:lo + B], v[:, :, lo:lo + B],
+                                       visible[:, lo:lo + B])
                                       for lo in range(0, blocks * B, B)], sums)
         assert error(merged) <= 3 * error(one_call), seed
 
@@ -819,9 +908,11 @@ def test_merging_blocks_costs_bfloat16_no_accuracy(sums):
 @pytest.mark.parametrize("kind", quick(["ouro", "huginn", "parcae"], "huginn"))
 def test_eager_decoding_runs_on_fused_attention_kernels_alone(kind):
     """Every attention call takes SDPA's fused kernels (4-D inputs; the prefill is_causal), none the
-    math path that builds the score matrix: flash alone on a CPU, flash and memory-efficient on CUDA."""
+    math path that builds the score matrix: flash alone on a CPU, flash and memory-efficient
+    on CUDA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    fused = [SDPBackend.FLASH_ATTENTION] + ([SDPBackend.EFFICIENT_ATTENTION] if DEVICE == "cuda" else [])
+    fused = [SDPBackend.FLASH_ATTENTION] + ([SDPBackend.EFFICIENT_ATTENTION] if DEVICE == "cuda"
+                                            else [])
     model = tiny_model(kind, 0, torch.float32)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     runs = [dict(method=m) for m in ("ar", "wfd", "dtv")] + [dict(kv="shared")]

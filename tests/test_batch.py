@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 
 def prompts_for(model, n, seed, longest=9):
     rng = random.Random(seed)
-    return [[rng.randrange(model.args.vocab_size) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+    return [[rng.randrange(model.args.vocab_size) for _ in range(rng.randint(1, longest))]
+            for _ in range(n)]
 
 
 def batched(model, prompts, n_new, **kw):
@@ -24,10 +25,12 @@ def batched(model, prompts, n_new, **kw):
 
 
 def check_against_batched_ar(model, prompts, n_new, method, k, **kw):
-    """The method's generations, each checked against batched AR's at the same batch size and width."""
+    """The method's generations, each checked against batched AR's at the same batch size and
+    width."""
     outs = batched(model, prompts, n_new, method=method, draft_steps=k, **kw)
     kw.pop("draft_hook", None)
-    refs = batched(model, prompts, n_new, method="ar", draft_steps=k, width=outs[0].stats["width"], **kw)
+    refs = batched(model, prompts, n_new, method="ar", draft_steps=k, width=outs[0].stats["width"],
+                   **kw)
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert same_logits(out, ref), (method, k, model.dtype, i)
     return outs
@@ -37,15 +40,20 @@ def wrong_in(index, model, prompts, reference):
     """A draft hook that makes every draft of prompt `index` wrong (one off the reference's token
     there), and leaves every other prompt's alone."""
     def hook(i, pos, token):
-        return (reference[i].tokens[pos - len(prompts[i])] + 1) % model.args.vocab_size if i == index else token
+        return ((reference[i].tokens[pos - len(prompts[i])] + 1) % model.args.vocab_size
+                if i == index else token)
     return hook
 
 
-@pytest.mark.parametrize("kind,seed,dtype", quick([("ouro", 0, torch.float64), ("huginn", 1, torch.float64),
-                                                   ("parcae", 2, torch.float64), ("ouro", 1, torch.float32),
+@pytest.mark.parametrize("kind,seed,dtype", quick([("ouro", 0, torch.float64),
+                                                   ("huginn", 1, torch.float64),
+                                                   ("parcae", 2, torch.float64),
+                                                   ("ouro", 1, torch.float32),
                                                    ("huginn", 2, torch.float16)]
-                                                  + [(kind, 1, torch.bfloat16) for kind in ("ouro", "huginn", "parcae")],
-                                                  ("ouro", 1, torch.bfloat16), ("huginn", 2, torch.float16)),
+                                                  + [(kind, 1, torch.bfloat16)
+                                                     for kind in ("ouro", "huginn", "parcae")],
+                                                  ("ouro", 1, torch.bfloat16),
+                                                  ("huginn", 2, torch.float16)),
                          ids=str)
 def test_batched_wfd_and_dtv_equal_batched_ar_at_every_draft_depth(kind, seed, dtype):
     """Four prompts of different lengths through two slots (so two are refills), every k, wrong
@@ -53,10 +61,12 @@ def test_batched_wfd_and_dtv_equal_batched_ar_at_every_draft_depth(kind, seed, d
     model = tiny_model(kind, seed, dtype)
     prompts = prompts_for(model, 4, seed)
     plain = batched(model, prompts, 12, method="ar", batch_size=2)
-    eos = plain[0].tokens[5]  # prompt 0 stops at its 6th token at the latest, the others when they meet it
+    # prompt 0 stops at its 6th token at the latest, the others when they meet it
+    eos = plain[0].tokens[5]
     for k in range(1, model.num_steps + 1):
         for method in ("wfd", "dtv"):
-            outs = check_against_batched_ar(model, prompts, 12, method, k, batch_size=2, eos_token_id=eos,
+            outs = check_against_batched_ar(model, prompts, 12, method, k, batch_size=2,
+                                            eos_token_id=eos,
                                             draft_hook=wrong_in(k % 4, model, prompts, plain),
                                             draft_len=1 + k % 3)
             assert [o.stats["slot"] for o in outs] == [0, 1, 0, 1]
@@ -64,26 +74,29 @@ def test_batched_wfd_and_dtv_equal_batched_ar_at_every_draft_depth(kind, seed, d
             assert wrong.stats["accepted"] == 0
             assert wrong.stats["rejected"] > 0 or k == model.num_steps or len(wrong.tokens) == 1
             assert len(outs[0].tokens) <= 6 and outs[0].tokens[-1] == eos
-    if dtype == torch.float64:  # rounding too small to flip a token: each prompt's own AR's tokens too
+    # rounding too small to flip a token: each prompt's own AR's tokens too
+    if dtype == torch.float64:
         for prompt, out in zip(prompts, plain):
             assert wfd.generate(model, prompt, 12, method="ar", width=1).tokens == out.tokens
 
 
 def test_twelve_prompts_through_four_slots_refill_exactly():
-    """The refill: 12 prompts, 4 slots, bfloat16: each prompt gets batched AR's tokens and logits; in
-    float64 each also gets its own single-prompt AR's tokens."""
+    """The refill: 12 prompts, 4 slots, bfloat16: each prompt gets batched AR's tokens and logits;
+    in float64 each also gets its own single-prompt AR's tokens."""
     for dtype in (torch.bfloat16, torch.float64):
         model = tiny_model("huginn", 2, dtype)
         prompts = prompts_for(model, 12, 3, longest=12)
         eos = batched(model, prompts, 20, method="ar", batch_size=4)[5].tokens[2]
         finished = []
-        outs = check_against_batched_ar(model, prompts, 20, "wfd", 2, batch_size=4, eos_token_id=eos,
-                                        on_finish=lambda i, g: finished.append(i))
-        assert sorted(finished) == sorted(list(range(12)) * 2) and [o.stats["slot"] for o in outs] == [i % 4 for i in range(12)]
+        outs = check_against_batched_ar(model, prompts, 20, "wfd", 2, batch_size=4,
+                                        eos_token_id=eos, on_finish=lambda i, g: finished.append(i))
+        assert (sorted(finished) == sorted(list(range(12)) * 2)
+                and [o.stats["slot"] for o in outs] == [i % 4 for i in range(12)])
         assert all(o.stats["batch_size"] == 4 for o in outs)
         if dtype == torch.float64:
             for prompt, out in zip(prompts, outs):
-                assert wfd.generate(model, prompt, 20, method="ar", width=1, eos_token_id=eos).tokens == out.tokens
+                assert wfd.generate(model, prompt, 20, method="ar", width=1,
+                                    eos_token_id=eos).tokens == out.tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
@@ -95,7 +108,8 @@ def test_batched_sampling_with_a_seed_per_prompt(dtype):
     outs = check_against_batched_ar(model, prompts, 14, "wfd", 1, batch_size=3, **sampling)
     if dtype == torch.float64:  # each prompt as if alone, with its own seed
         for prompt, out, seed in zip(prompts, outs, sampling["seed"]):
-            alone = wfd.generate(model, prompt, 14, method="ar", width=1, **dict(sampling, seed=seed))
+            alone = wfd.generate(model, prompt, 14, method="ar", width=1,
+                                 **dict(sampling, seed=seed))
             assert alone.tokens == out.tokens
 
 
@@ -123,7 +137,8 @@ def test_batched_callbacks_take_the_prompts_index():
     model = tiny_model("ouro", 0)
     prompts = prompts_for(model, 3, 1)
     tokens, trace = {0: [], 1: [], 2: []}, []
-    outs = wfd.generate(model, prompts, 6, batch_size=2, on_token=lambda i, t: tokens[i].append(t), trace=trace)
+    outs = wfd.generate(model, prompts, 6, batch_size=2, on_token=lambda i, t: tokens[i].append(t),
+                        trace=trace)
     assert [tokens[i] for i in range(3)] == [o.tokens for o in outs]
     assert {e["index"] for e in trace} == {0, 1, 2}
     assert [o.stats["index"] for o in outs] == [0, 1, 2]
@@ -143,10 +158,13 @@ def test_batched_bad_input_names_the_prompt(monkeypatch):
             ([1, 2], dict(seed=[1]), "1 seeds for one prompt(s)"),
             (torch.ones(2, 3, dtype=torch.long), {}, "pass several prompts as a list"),
     ]:
-        with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises((ValueError, TypeError),
+                           match=message.replace("(", r"\(").replace(")", r"\)")):
             wfd.generate(model, prompts, 4, **kw)
     # the cache of every slot is checked against free memory before allocating
-    monkeypatch.setattr(memory, "free_memory", lambda device: kv.cache_bytes(model, 16, 4, None, 3) + 1)
-    with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions.*fewer new tokens, a smaller batch_size, or use"):
+    monkeypatch.setattr(memory, "free_memory",
+                        lambda device: kv.cache_bytes(model, 16, 4, None, 3) + 1)
+    with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions"
+                       ".*fewer new tokens, a smaller batch_size, or use"):
         wfd.generate(model, [[1, 2, 3]] * 3, 15, num_steps=4)
     assert len(wfd.generate(model, [[1, 2, 3]] * 3, 14, num_steps=4)) == 3

@@ -18,16 +18,19 @@ from runtime import compiling, memory
 def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
     model = tiny_model("huginn", 0, dtype)  # a prelude and a coda: P, R and C all compiled
     T, prompt, n_new = model.num_steps, [3, 1, 4], 14  # positions up to 15: one key block, then two
-    # one width and capacity for every run, so that one set of graphs serves them all (compiling is slow)
+    # one width and capacity for every run, so that one set of graphs serves them all
+    # (compiling is slow)
     width, capacity = T, len(prompt) + n_new
 
     def run(method, k, **kw):
-        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_len=1 + k % (width - 1),
-                            width=width, capacity=capacity, keep_logits=True, compile=True, **kw)
+        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                            draft_len=1 + k % (width - 1), width=width, capacity=capacity,
+                            keep_logits=True, compile=True, **kw)
 
     graphs = counters["stats"]["unique_graphs"]
     greedy = run("ar", T)
-    assert counters["stats"]["unique_graphs"] > graphs  # it compiled, and did not fall back to eager
+    # it compiled, and did not fall back to eager
+    assert counters["stats"]["unique_graphs"] > graphs
     for sampling in (dict(), dict(temperature=0.9, seed=1)):
         ar = run("ar", T, **sampling)  # sampled: a read graph of its own (for every seed)
         compiled = counters["stats"]["unique_graphs"]
@@ -35,7 +38,8 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
             for method in ("wfd", "dtv"):
                 out = run(method, k, **sampling)
                 assert same_logits(out, ar) and out.stats["compiled"], (method, k, sampling)
-        assert counters["stats"]["unique_graphs"] == compiled  # no recompiles: every run found AR's graphs
+        # no recompiles: every run found AR's graphs
+        assert counters["stats"]["unique_graphs"] == compiled
     if dtype == torch.float32:  # the compiled calls compute the eager model, up to rounding
         eager = wfd.generate(model, prompt, n_new, method="ar", width=width, keep_logits=True)
         assert eager.tokens == greedy.tokens
@@ -49,15 +53,18 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
     replays, replay = [], compiling.replay
     monkeypatch.setattr(compiling, "replay", lambda *args: replays.append(1) or replay(*args))
-    # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups (kv.block_attention's groups)
-    model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE, init_seed=7)
+    # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups
+    # (kv.block_attention's groups)
+    model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE,
+                               init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
-    model._compiled = {fn: compiling.compile_call(fn, graphs=True) for fn in (model.r_body, wfd.read_body)}
+    model._compiled = {fn: compiling.compile_call(fn, graphs=True)
+                       for fn in (model.r_body, wfd.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):
-        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, width=T, capacity=15,
-                            keep_logits=True, compile=compile, temperature=0.8, seed=2)
+        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
+                            capacity=15, keep_logits=True, compile=compile, temperature=0.8, seed=2)
 
     ar = run("ar", T, True)
     del replays[:]
@@ -72,16 +79,17 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
 
 @pytest.mark.slow
 def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
-    """One process, compiled WFD over 6 prompt lengths greedily and 6 seeds x 2 temperatures sampled:
-    a handful of graphs (R, a greedy read, a sampled read) and one static cache, not one set per
-    length or per sampler setting."""
+    """One process, compiled WFD over 6 prompt lengths greedily and 6 seeds x 2 temperatures
+    sampled: a handful of graphs (R, a greedy read, a sampled read) and one static cache, not one
+    set per length or per sampler setting."""
     monkeypatch.undo()  # the real kv.BLOCK (conftest shrinks it), which holds every prompt here
     model = models.load(GOLDEN["ouro_A"])
     graphs = counters["stats"]["unique_graphs"]
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(model.args.vocab_size) for _ in range(n)]
     runs = [dict(prompt_ids=prompt(n)) for n in (2, 5, 9, 14, 20, 31)]
-    runs += [dict(prompt_ids=prompt(4), seed=seed, temperature=t) for seed in range(6) for t in (0.7, 1.3)]
+    runs += [dict(prompt_ids=prompt(4), seed=seed, temperature=t)
+             for seed in range(6) for t in (0.7, 1.3)]
     for run in runs:
         out = wfd.generate(model, max_new_tokens=6, compile=True, **run)
         assert len(out.tokens) == 6 and out.stats["compiled"]
@@ -93,8 +101,9 @@ def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
 
 @pytest.mark.slow
 def test_static_buffers_stay_and_cuda_graphs_are_taken():
-    """A CUDA graph replays on the addresses it recorded: the static KV buffers must not move between
-    generations, and inductor must not skip the graphs (on a GPU: gpu_check.sh runs this on cuda)."""
+    """A CUDA graph replays on the addresses it recorded: the static KV buffers must not move
+    between generations, and inductor must not skip the graphs (on a GPU: gpu_check.sh runs this
+    on cuda)."""
     model = tiny_model("huginn", 3, torch.float32)
     skips = counters["inductor"]["cudagraph_skips"]
     ptrs = []
@@ -110,15 +119,15 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
 
 @pytest.mark.slow
 def test_compiled_batched_wfd_equals_compiled_batched_ar():
-    """Four prompts through two slots, compiled: each prompt's tokens and logits are compiled batched
-    AR's, wrong drafts forced in one prompt; and the prompts as if alone, up to rounding."""
+    """Four prompts through two slots, compiled: each prompt's tokens and logits are compiled
+    batched AR's, wrong drafts forced in one prompt; and the prompts as if alone, up to rounding."""
     model = tiny_model("huginn", 1, torch.bfloat16)
     prompts, n_new = [[3, 1, 4], [1, 5], [9, 2, 6, 5, 3], [5]], 10
     width, T = 4, model.num_steps
 
     def run(method, k, **kw):
-        return wfd.generate(model, prompts, n_new, method=method, draft_steps=k, width=width, batch_size=2,
-                            capacity=16, keep_logits=True, compile=True, **kw)
+        return wfd.generate(model, prompts, n_new, method=method, draft_steps=k, width=width,
+                            batch_size=2, capacity=16, keep_logits=True, compile=True, **kw)
 
     ar = run("ar", T)
     for k in (2, T // 2):
@@ -131,12 +140,15 @@ def test_compiled_schedules_compile_nothing_and_equal_compiled_ar():
     """The quick suite's compiled check: after wfd.compile_graphs, compiled AR, WFD and DtV at one
     width give the same tokens and logits in bfloat16 across three key blocks and compile no graph
     while decoding; without it, a generation compiles."""
-    model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE, init_seed=7)
+    model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE,
+                               init_seed=7)
     prompt, n_new, width = [5, 6, 7], 20, 2  # positions up to 21 of 24: 1, 2 and 3 key blocks of 8
-    run = lambda method, n=n_new, **kw: wfd.generate(model, prompt, n, method=method, width=width, capacity=24,
-                                                     keep_logits=True, compile=True, **kw)
+    run = lambda method, n=n_new, **kw: wfd.generate(model, prompt, n, method=method, width=width,
+                                                     capacity=24, keep_logits=True,
+                                                     compile=True, **kw)
     assert run("ar", 4).stats["graphs_compiled"] > 0  # one key block's graphs
-    assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=width, capacity=24) > 0  # 2 and 3 blocks
+    assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=width,
+                              capacity=24) > 0  # 2 and 3 blocks
     ar = run("ar")
     for method, k in (("wfd", -(-model.num_steps // width)), ("dtv", 1), ("dtv", 2)):
         out = run(method, draft_steps=k, draft_len=1)

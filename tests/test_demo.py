@@ -26,7 +26,8 @@ def one_thread():
 
 @pytest.mark.slow
 def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
-    subprocess.run([sys.executable, os.path.join(ROOT, "demo", "train.py"), "--smoke", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, os.path.join(ROOT, "demo", "train.py"), "--smoke",
+                    "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)
     model = models.load(str(tmp_path))
     prompt = model.tokenizer.encode("def f(x):\n    return").ids
@@ -53,8 +54,10 @@ def test_demo_wfd_and_dtv_equal_ar_on_held_out_prompts(dtype):
     for prompt in train_demo.eval_prompts(model.tokenizer, count=2):
         for k in (1, 2, 3):
             for method, width in (("wfd", None), ("dtv", 5)):
-                out = wfd.generate(model, prompt, 40, method=method, draft_steps=k, keep_logits=True)
-                ar = wfd.generate(model, prompt, 40, method="ar", draft_steps=k, width=width, keep_logits=True)
+                out = wfd.generate(model, prompt, 40, method=method, draft_steps=k,
+                                   keep_logits=True)
+                ar = wfd.generate(model, prompt, 40, method="ar", draft_steps=k, width=width,
+                                  keep_logits=True)
                 assert out.tokens == ar.tokens, (method, k)
                 assert torch.equal(torch.stack(out.logits), torch.stack(ar.logits)), (method, k)
 
@@ -70,10 +73,13 @@ def test_run_py_streams_the_demo_text(demo, capsys):
 
 def test_run_py_method_all_and_the_wavefront_picture(capsys):
     run.main(["--prompt", "import os", "--max-new-tokens", "16", "--method", "all"])
-    assert "outputs identical to AR at the same width (tokens and logits): yes" in capsys.readouterr().out
-    run.main(["--prompt", "import os", "--max-new-tokens", "40", "--draft-steps", "1", "--show-wavefront"])
+    assert ("outputs identical to AR at the same width (tokens and logits): yes"
+            in capsys.readouterr().out)
+    run.main(["--prompt", "import os", "--max-new-tokens", "40", "--draft-steps", "1",
+              "--show-wavefront"])
     picture = capsys.readouterr().out.split("[wfd] 40 tokens")[1]
     header, *rows = picture.splitlines()[1:8]
-    assert header.split()[:2] == ["R", "call"] and header.split()[-1] == "24"  # the first 24 R calls
+    # the first 24 R calls
+    assert header.split()[:2] == ["R", "call"] and header.split()[-1] == "24"
     cells = " ".join(rows)
     assert "1d" in cells and "4=" in cells  # drafts read at depth k=1, tokens committed at T=4

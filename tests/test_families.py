@@ -1,7 +1,8 @@
 """Tests of LoopFormer and the Raven retrofits: parity with the official code (tests/testdata/
-loopformer_A and raven_A, see its README's sections 4 and 5), every schedule exact against AR (tokens and
-logits, bit for bit) in every dtype, and a second layout of each family built with random weights,
-saved in the hub's format, reloaded and checked against a reference forward from the specs."""
+loopformer_A and raven_A, see its README's sections 4 and 5), every schedule exact against AR
+(tokens and logits, bit for bit) in every dtype, and a second layout of each family built with
+random weights, saved in the hub's format, reloaded and checked against a reference forward
+from the specs."""
 import json
 import math
 import os
@@ -281,12 +282,14 @@ def test_real_configs_build_at_their_sizes():
     (tied head once); configs/ holds it with the sizes written out, and a Llama-3.2 retrofit's."""
     hub = dict(architectures=["LoopFormerGPTForCausalLM"], model_type="loopformer",
                torch_dtype="bfloat16")
-    lf = checkpoints.read_json(os.path.join(os.path.dirname(HERE), "configs", "loopformer-3block-8iterations.json"))
+    lf = checkpoints.read_json(os.path.join(os.path.dirname(HERE), "configs",
+                                            "loopformer-3block-8iterations.json"))
     assert param_count(hub) == param_count(lf) == 278_169_600
     a = models.ModelArgs.from_config(hub)
     sizes = (a.dim, a.n_heads, a.head_dim, a.hidden_dim, a.n_core, a.num_steps, a.vocab_size)
     assert sizes == (2048, 32, 64, 5120, 3, 8, 50304) and a.max_seq_len == 1024
-    rf = os.path.join(os.path.dirname(HERE), "configs", "recurrent-llama-3.2-train-recurrence-32.json")
+    rf = os.path.join(os.path.dirname(HERE), "configs",
+                      "recurrent-llama-3.2-train-recurrence-32.json")
     rf = checkpoints.read_json(rf)
     a = models.ModelArgs.from_config(rf)
     assert (a.kind, a.n_heads, a.n_kv_heads, a.head_dim, a.num_steps) == ("retrofit", 32, 8, 64, 32)
@@ -337,20 +340,25 @@ def test_run_py_on_both_families(tmp_path, capsys):
     tokenizer_with(lf, words)
     outs = {}
     for folder, extra in ((lf, []), (raven, ["--tokenizer", str(lf / "tokenizer.json")])):
-        run.main(["--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--json"] + extra)
+        run.main(["--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "6",
+                  "--json"] + extra)
         (line,) = capsys.readouterr().out.splitlines()
         outs[folder.name] = json.loads(line)
-        assert outs[folder.name]["stats"]["eos_token_ids"] == [127] and len(outs[folder.name]["tokens"]) >= 1
+        assert (outs[folder.name]["stats"]["eos_token_ids"] == [127]
+                and len(outs[folder.name]["tokens"]) >= 1)
     assert outs[lf.name]["prompt_ids"] == [1, 2, 3]
     for extra, message in (([], "has no tokenizer.json: give --tokenizer"),
-                           (["--tokenizer", str(tmp_path / "t.json")], "has a tokenizer without an eos token")):
-        Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words[:-1])}, unk_token="<unk>")).save(
-            str(tmp_path / "t.json"))
+                           (["--tokenizer", str(tmp_path / "t.json")],
+                            "has a tokenizer without an eos token")):
+        Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words[:-1])},
+                                       unk_token="<unk>")).save(str(tmp_path / "t.json"))
         with pytest.raises(SystemExit) as exit:
-            run.main(["--model", str(raven), "--prompt-ids", "1,2", "--max-new-tokens", "2"] + extra)
+            run.main(["--model", str(raven), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+                     + extra)
         err = capsys.readouterr().err
         assert exit.value.code == 2 and err.count("\n") == 1 and message in err, err
-    run.main(["--model", str(raven), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--eos", "5", "--json"])
+    run.main(["--model", str(raven), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--eos", "5",
+              "--json"])
     assert json.loads(capsys.readouterr().out)["stats"]["eos_token_ids"] == [5]
 
 
@@ -384,7 +392,8 @@ def tiny_family(kind, seed, dtype=torch.float64):
                               state_init="random", seed=seed, init_seed=seed)
 
 
-@pytest.mark.parametrize("kind,dtype", quick([(k, d) for k in KINDS for d in DTYPES], ("loopformer", torch.bfloat16),
+@pytest.mark.parametrize("kind,dtype", quick([(k, d) for k in KINDS for d in DTYPES],
+                                             ("loopformer", torch.bfloat16),
                                              ("olmo2", torch.float16)), ids=str)
 def test_every_schedule_equals_ar_at_every_draft_depth(kind, dtype):
     """WFD and DtV against AR at the same width (tokens and logits, torch.equal): greedy, sampled

@@ -1,6 +1,7 @@
-"""What a run at the paper's scale needs, on tiny models: memory that does not grow with the prompts,
-timings without compiling, answers kept as they finish (and resumed), the model named from any
-folder, one line for memory that runs out, the text the model wrote (special tokens included)."""
+"""What a run at the paper's scale needs, on tiny models: memory that does not grow with the
+prompts, timings without compiling, answers kept as they finish (and resumed), the model named from
+any folder, one line for memory that runs out, the text the model wrote
+(special tokens included)."""
 import json
 import os
 import signal
@@ -36,13 +37,15 @@ def tensors_in(x):
 
 
 def test_a_bench_run_keeps_no_logits(capsys):
-    """Each result holds its logits as a digest: nothing in the results grows with the vocabulary, and
-    a wrong logit is still caught (the digests differ)."""
-    out = bench.main(["--model", OURO_A, "--num-prompts", "3", "--prompt-len", "4", "--max-new-tokens", "6",
-                      "--methods", "ar,wfd", "--warmup", "0", "--out", "", "--threads", "1"])
+    """Each result holds its logits as a digest: nothing in the results grows with the vocabulary,
+    and a wrong logit is still caught (the digests differ)."""
+    out = bench.main(["--model", OURO_A, "--num-prompts", "3", "--prompt-len", "4",
+                      "--max-new-tokens", "6", "--methods", "ar,wfd", "--warmup", "0", "--out", "",
+                      "--threads", "1"])
     assert tensors_in(out["results"]) == 0
     digests = [r["stats"]["logits_digest"] for r in out["results"]["wfd"]]
-    assert digests == [r["stats"]["logits_digest"] for r in out["results"]["ar-wave"]] and None not in digests
+    assert (digests == [r["stats"]["logits_digest"] for r in out["results"]["ar-wave"]]
+            and None not in digests)
     model = models.load(OURO_A)
     a = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True, keep_logits=True)
     b = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
@@ -68,10 +71,11 @@ def test_bench_memory_does_not_grow_with_the_prompts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     peak = {}
     for n in (4, 16):
-        argv = ["--random-weights", str(tmp_path / "config.json"), "--num-prompts", str(n), "--max-new-tokens", "48",
-                "--methods", "ar,wfd", "--warmup", "0", "--out", "", "--threads", "1"]
-        done = subprocess.run([sys.executable, "-c", PEAK_RSS] + argv, capture_output=True, text=True, cwd=ROOT,
-                              timeout=900)
+        argv = ["--random-weights", str(tmp_path / "config.json"), "--num-prompts", str(n),
+                "--max-new-tokens", "48", "--methods", "ar,wfd", "--warmup", "0", "--out", "",
+                "--threads", "1"]
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS] + argv, capture_output=True,
+                              text=True, cwd=ROOT, timeout=900)
         assert done.returncode == 0, done.stderr
         peak[n] = int(done.stdout.splitlines()[-1])
     assert peak[16] <= 1.1 * peak[4], peak
@@ -80,7 +84,8 @@ def test_bench_memory_does_not_grow_with_the_prompts(tmp_path):
 @slow
 def test_bench_compiled_timings_contain_no_compiling(tmp_path):
     """bench.py --compile, prompts of 8 tokens and 300 new ones across two buckets of the real key
-    block (256): every answer of every method compiled nothing while timed; with --warmup 0 they do."""
+    block (256): every answer of every method compiled nothing while timed;
+    with --warmup 0 they do."""
     with open(os.path.join(OURO_A, "config.json")) as f:
         config = dict(json.load(f), max_position_embeddings=512)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -88,14 +93,17 @@ def test_bench_compiled_timings_contain_no_compiling(tmp_path):
     for warmup in ("2", "0"):
         out = tmp_path / f"warmup{warmup}"
         done = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--random-weights",
-                               str(tmp_path / "config.json"), "--num-prompts", "2", "--prompt-len", "8",
-                               "--max-new-tokens", "300", "--methods", "ar,wfd", "--compile", "--warmup", warmup,
-                               "--out", str(out), "--threads", "1"], capture_output=True, text=True, timeout=900)
+                               str(tmp_path / "config.json"), "--num-prompts", "2",
+                               "--prompt-len", "8", "--max-new-tokens", "300",
+                               "--methods", "ar,wfd", "--compile", "--warmup", warmup,
+                               "--out", str(out), "--threads", "1"],
+                              capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr
         answers = [json.loads(line) for f in out.iterdir() for line in f.open()]
         assert len(answers) == 2 * 3 and all(a["bench"]["identical"] for a in answers)
         compiled[warmup] = [a["stats"]["graphs_compiled"] for a in answers]
-        assert ("Graphs compiled during the timed runs: 0 (the warm-up" in done.stdout) == (warmup == "2")
+        assert (("Graphs compiled during the timed runs: 0 (the warm-up" in done.stdout)
+                == (warmup == "2"))
     assert compiled["2"] == [0] * 6 and sum(compiled["0"]) > 0
 
 
@@ -105,12 +113,16 @@ def test_paper_names_the_model_from_a_hub_cache_folder(tmp_path, capsys):
     folder.parent.mkdir(parents=True)
     os.rename(checkpoint(tmp_path, "ouro", tokenizer_config={"chat_template": CHATML}), folder)
     assert bench.model_name(str(folder)) == "Ouro-2.6B-Thinking"
-    assert bench.model_name("ByteDance/Ouro-2.6B") == "Ouro-2.6B" and bench.model_name(OURO_A) == "ouro_A"
-    bench.main(["--paper", "--model", str(folder), "--per-category", "1", "--limit", "1", "--max-prompt-tokens",
-                "16", "--max-new-tokens", "2", "--warmup", "0", "--dtype", "float32", "--out", str(tmp_path / "out")])
+    assert (bench.model_name("ByteDance/Ouro-2.6B") == "Ouro-2.6B"
+            and bench.model_name(OURO_A) == "ouro_A")
+    bench.main(["--paper", "--model", str(folder), "--per-category", "1", "--limit", "1",
+                "--max-prompt-tokens", "16", "--max-new-tokens", "2", "--warmup", "0",
+                "--dtype", "float32", "--out", str(tmp_path / "out")])
     out, err = capsys.readouterr()
-    assert "chat template" in out and "The paper reports no Spec-Bench speedup for Ouro-2.6B-Thinking" in out
-    assert "prompt format: chat (--prompt-format auto: Ouro-2.6B-Thinking is a Thinking model" in err
+    assert ("chat template" in out
+            and "The paper reports no Spec-Bench speedup for Ouro-2.6B-Thinking" in out)
+    assert ("prompt format: chat (--prompt-format auto: Ouro-2.6B-Thinking is a Thinking model"
+            in err)
     assert (tmp_path / "out" / "Ouro-2.6B-Thinking-wfd.jsonl").exists()
 
 
@@ -121,27 +133,32 @@ def test_weights_that_do_not_fit_are_refused_before_allocating(monkeypatch, caps
         run.main(["--model", OURO_A, "--prompt-ids", "1,2"])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("error: the weights need 0.00 GiB in float32, but cpu has 0.00 GiB free: try a smaller dtype")
+    assert err.startswith("error: the weights need 0.00 GiB in float32, but cpu has 0.00 GiB free: "
+                          "try a smaller dtype")
 
 
 @pytest.mark.parametrize("script", [run, bench])
 def test_running_out_of_memory_while_decoding_is_one_line(script, monkeypatch, capsys):
     def oom(*args, **kw):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. "
+                                     "GPU 0 has a total capacity "
                                      "of 15.70 GiB of which 1.10 GiB is free.\nMore text")
     monkeypatch.setattr(wfd.Decoder, "advance", oom)
     with pytest.raises(SystemExit) as exit:
         script.main(["--model", OURO_A, "--max-new-tokens", "4"]
-                    + (["--prompt-ids", "1,2"] if script is run else ["--num-prompts", "1", "--out", ""]))
+                    + (["--prompt-ids", "1,2"] if script is run
+                       else ["--num-prompts", "1", "--out", ""]))
     line = capsys.readouterr().err.splitlines()[-1]
-    assert exit.value.code == 2 and line.startswith("error: out of memory: CUDA out of memory. Tried to allocate "
-                                                    "2.00 GiB") and "try a smaller --batch-size" in line
+    assert (exit.value.code == 2
+            and line.startswith("error: out of memory: CUDA out of memory. Tried to allocate "
+                                "2.00 GiB") and "try a smaller --batch-size" in line)
 
 
 def test_stdlib_prompts_start_with_parcaes_bos():
     model = models.load(os.path.join(HERE, "testdata", "parcae_A"))
     vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ():\n_=.,", start=4)}
-    tok = Tokenizer(tokenizer_models.WordPiece(vocab=dict(vocab, **{"[UNK]": 3}), unk_token="[UNK]"))
+    tok = Tokenizer(tokenizer_models.WordPiece(vocab=dict(vocab, **{"[UNK]": 3}),
+                                               unk_token="[UNK]"))
     tok.add_special_tokens(["<|bos|>"])
     model.tokenizer = tok
     bos = tok.token_to_id("<|bos|>")
@@ -159,7 +176,8 @@ def test_the_text_keeps_the_special_tokens_but_the_stop(tmp_path, capsys):
     stop = next(t for t in tokens[tokens.index(end) + 1:] if t not in (think, end))
     special = {think: "<think>", end: "</think>", stop: "<|im_end|>"}
     vocab = {f"t{i}": i for i in range(model.args.vocab_size) if i not in special}
-    tok = Tokenizer(tokenizer_models.WordLevel(vocab=dict(vocab, **{n: i for i, n in special.items()}), unk_token="t0"))
+    tok = Tokenizer(tokenizer_models.WordLevel(
+        vocab=dict(vocab, **{n: i for i, n in special.items()}), unk_token="t0"))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(special.values()))
     folder = tmp_path / "thinking"
@@ -168,8 +186,8 @@ def test_the_text_keeps_the_special_tokens_but_the_stop(tmp_path, capsys):
     upto = tokens[:tokens.index(stop)]
     want = "".join(special.get(t, f"t{t}") for t in upto)
     assert "<think>" in want and "</think>" in want
-    argv = ["--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--eos", str(stop),
-            "--method", "ar"]
+    argv = ["--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "12",
+            "--eos", str(stop), "--method", "ar"]
     run.main(argv)
     assert capsys.readouterr().out.splitlines()[0] == "t1t2t3" + want  # the prompt, then the answer
     run.main(argv + ["--json"])
@@ -184,19 +202,20 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
     fake.chmod(0o755)
     env = dict(os.environ, PYTHON=str(fake), STEPS="huginn ouro", RESULTS=str(tmp_path / "results"))
-    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"], capture_output=True, text=True,
-                          env=env, timeout=60)
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"],
+                          capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == 2 and all(c.startswith("bench.py --random-weights tests/testdata/") for c in calls)
-    assert (tmp_path / "results" / "steps.txt").read_text().splitlines() == ["huginn: exit 0 in 0 s",
-                                                                             "ouro: exit 0 in 0 s"]
+    assert len(calls) == 2 and all(c.startswith("bench.py --random-weights tests/testdata/")
+                                   for c in calls)
+    assert (tmp_path / "results" / "steps.txt").read_text().splitlines() == [
+        "huginn: exit 0 in 0 s", "ouro: exit 0 in 0 s"]
 
 
 def bench_command(out, *extra):
-    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "3", "--prompt-len",
-            "4", "--max-new-tokens", "20", "--warmup", "0", "--methods", "ar,wfd", "--threads", "1", "--out",
-            str(out), *extra]
+    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "3",
+            "--prompt-len", "4", "--max-new-tokens", "20", "--warmup", "0", "--methods", "ar,wfd",
+            "--threads", "1", "--out", str(out), *extra]
 
 
 def interrupt(cmd, ready):
@@ -212,26 +231,30 @@ def interrupt(cmd, ready):
 
 def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
     wfd_file = tmp_path / "ouro_A-wfd.jsonl"
-    status, err = interrupt(bench_command(tmp_path), lambda: wfd_file.exists() and wfd_file.stat().st_size)
+    status, err = interrupt(bench_command(tmp_path),
+                            lambda: wfd_file.exists() and wfd_file.stat().st_size)
     assert status == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("interrupted: the finished answers are in ")
-    lines = {n: (tmp_path / f"ouro_A-{n}.jsonl").read_text().splitlines() for n in ("ar", "ar-wave", "wfd")}
+    lines = {n: (tmp_path / f"ouro_A-{n}.jsonl").read_text().splitlines()
+             for n in ("ar", "ar-wave", "wfd")}
     finished = len(lines["wfd"])
     assert 1 <= finished < 3 and all(len(v) >= finished for v in lines.values())
-    done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"### overall (3 prompts, {finished} of them resumed from " in done.stdout
     for n in ("ar", "ar-wave", "wfd"):
         ids = [json.loads(line)["question_id"] for line in (tmp_path / f"ouro_A-{n}.jsonl").open()]
         assert sorted(ids) == list(range(3)), n
     assert "| WFD | 4 |" in done.stdout and "| 100% |" in done.stdout
-    again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "21"), capture_output=True,
-                           text=True, cwd=ROOT, timeout=300)
+    again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "21"),
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 2 and "holds answers of another run" in again.stderr
 
 
 def test_an_interrupted_run_py_is_one_line_and_status_130():
-    cmd = [sys.executable, os.path.join(ROOT, "run.py"), "--prompt", "def f(x):", "--max-new-tokens", "200"]
+    cmd = [sys.executable, os.path.join(ROOT, "run.py"), "--prompt", "def f(x):",
+           "--max-new-tokens", "200"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     assert p.stdout.read(9) == b"def f(x):"  # streaming has begun
     p.send_signal(signal.SIGINT)

@@ -1,5 +1,5 @@
-"""The command line as a user meets it: every mistake is one line on stderr and exit status 2, before
-any output; --json is strict JSON; streamed text is whole characters."""
+"""The command line as a user meets it: every mistake is one line on stderr and exit status 2,
+before any output; --json is strict JSON; streamed text is whole characters."""
 import json
 import os
 import re
@@ -99,34 +99,48 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt", "x", "--threads", "-2"], "--threads must be at least 1"),
     (run, ["--prompt", "x", "--eos", "2,a"], "--eos takes comma-separated integers"),
     (run, ["--prompt", "x", "--eos", "5000"], "eos_token_id 5000 is outside the vocabulary"),
-    (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"], "not exact for draft-then-verify"),
+    (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"],
+     "not exact for draft-then-verify"),
     (run, ["--prompt", "x", "--steps", "four"], "argument --steps: invalid int value"),
     (run, ["--prompt", "x", "--model", "./demo2"], "no such model folder: ./demo2"),
-    (run, ["--prompt", "x", "--model", "nobody/no-such-model"], "could not get 'nobody/no-such-model' from the Hugging Face hub"),
+    (run, ["--prompt", "x", "--model", "nobody/no-such-model"],
+     "could not get 'nobody/no-such-model' from the Hugging Face hub"),
     (run, ["--prompt", "x", "--device", "cuda"], "device 'cuda': this torch .* has no CUDA"),
-    (run, ["--prompt", "x", "--model", OURO_A], "has no tokenizer.json: pass --tokenizer, or --prompt-ids"),
-    (run, ["--prompt", "x", "--tokenizer", "./no_such_tokenizer"], "no such tokenizer file or folder: ./no_such_tokenizer"),
+    (run, ["--prompt", "x", "--model", OURO_A],
+     "has no tokenizer.json: pass --tokenizer, or --prompt-ids"),
+    (run, ["--prompt", "x", "--tokenizer", "./no_such_tokenizer"],
+     "no such tokenizer file or folder: ./no_such_tokenizer"),
     (run, ["--prompt", "x", "--tokenizer", OURO_A], "no tokenizer.json in .*ouro_A"),
     (run, ["--prompt", "x", "--model", "config"], r"config\.json is not valid JSON"),
-    (run, ["--prompt", "x", "--model", "truncated"], r"model\.safetensors is not a readable safetensors file"),
-    (run, ["--prompt", "x", "--model", "header"], r"model\.safetensors is not a readable safetensors file"),
+    (run, ["--prompt", "x", "--model", "truncated"],
+     r"model\.safetensors is not a readable safetensors file"),
+    (run, ["--prompt", "x", "--model", "header"],
+     r"model\.safetensors is not a readable safetensors file"),
     (run, ["--prompt", "x", "--model", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
-    (run, ["--prompt", "x", "--model", "nan"], r"tensor '[\w.]+' in .*model\.safetensors holds NaN or inf"),
+    (run, ["--prompt", "x", "--model", "nan"],
+     r"tensor '[\w.]+' in .*model\.safetensors holds NaN or inf"),
     (run, ["--prompts-file", "not-json.jsonl"], r"not-json\.jsonl line 2: not JSON"),
-    (run, ["--prompts-file", "no-prompt.jsonl"], r"line 3: each line must be a JSON object with \"prompt\""),
-    (run, ["--prompts-file", "both.jsonl"], r"line 1: each line must be a JSON object with \"prompt\""),
+    (run, ["--prompts-file", "no-prompt.jsonl"],
+     r"line 3: each line must be a JSON object with \"prompt\""),
+    (run, ["--prompts-file", "both.jsonl"],
+     r"line 1: each line must be a JSON object with \"prompt\""),
     (run, ["--prompts-file", "list.jsonl"], r"line 1: each line must be a JSON object"),
     (run, ["--prompts-file", "empty-text.jsonl"], r"line 1: \"prompt\" must be a non-empty string"),
-    (run, ["--prompts-file", "bad-ids.jsonl"], r"line 1: \"prompt_ids\" must be a list of integers"),
+    (run, ["--prompts-file", "bad-ids.jsonl"],
+     r"line 1: \"prompt_ids\" must be a list of integers"),
     (run, ["--prompts-file", "empty-ids.jsonl"], r"empty-ids\.jsonl line 2: the prompt is empty"),
-    (run, ["--prompts-file", "vocab.jsonl"], r"line 1: prompt token 2048 is outside the vocabulary"),
-    (run, ["--prompts-file", "long.txt"], r"long\.txt line 3: prompt \(\d+ tokens\) \+ max_new_tokens"),
+    (run, ["--prompts-file", "vocab.jsonl"],
+     r"line 1: prompt token 2048 is outside the vocabulary"),
+    (run, ["--prompts-file", "long.txt"],
+     r"long\.txt line 3: prompt \(\d+ tokens\) \+ max_new_tokens"),
     (run, ["--prompts-file", "blank.txt"], r"blank\.txt holds no prompt"),
     (run, ["--prompts-file", "no_such.txt"], "No such file or directory: 'no_such.txt'"),
     (run, ["--prompts-file", "two.txt", "--batch-size", "0"], "--batch-size must be at least 1"),
     (run, ["--prompt", "x", "--batch-size", "2"], "--batch-size needs --prompts-file"),
-    (run, ["--prompts-file", "two.txt", "--prompt", "x"], "argument --prompt: not allowed with argument --prompts-file"),
-    (run, ["--prompts-file", "two.txt", "--method", "all"], "for --method all on many prompts use bench.py"),
+    (run, ["--prompts-file", "two.txt", "--prompt", "x"],
+     "argument --prompt: not allowed with argument --prompts-file"),
+    (run, ["--prompts-file", "two.txt", "--method", "all"],
+     "for --method all on many prompts use bench.py"),
     (run, ["--prompts-file", "ids.jsonl", "--chat"], "line 1: --chat formats text prompts"),
     (run, ["--prompts-file", "two.txt", "--model", OURO_A], r"line 1: .* has no tokenizer\.json"),
     (bench, ["--limit", "0"], "--limit must be at least 1"),
@@ -134,16 +148,19 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
     (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
     (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
-    (bench, ["--paper", "--random-weights", "x.json"], "--paper runs the Spec-Bench questions through a checkpoint's"),
+    (bench, ["--paper", "--random-weights", "x.json"],
+     "--paper runs the Spec-Bench questions through a checkpoint's"),
     (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
     (bench, ["--tokenizer", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
 ]
 
 
 @pytest.mark.parametrize("script,argv,message", CASES, ids=[" ".join(c[1])[:40] for c in CASES])
-def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prompt_files, capsys, monkeypatch):
+def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prompt_files, capsys,
+                                            monkeypatch):
     import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach out from a test
+    # never reach out from a test
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = [damaged.get(a, prompt_files.get(a, a)) for a in argv]
     with pytest.raises(SystemExit) as exit:
@@ -153,13 +170,14 @@ def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prom
     assert out == ""  # refused before the prompt is streamed
     *log, line = err.splitlines()  # bench.py may have logged its loading first
     assert line.startswith("error: ") and re.search(message, line)
-    assert script is bench and all(not line.startswith(("Traceback", "error")) for line in log) or not log
+    assert (script is bench and all(not line.startswith(("Traceback", "error")) for line in log)
+            or not log)
 
 
 def test_no_traceback_at_the_process_level(damaged):
     for argv in (["--prompt", "def f(x):", "--model", damaged["nan"]],):  # the others: in-process
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py")] + argv, capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py")] + argv,
+                           capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
         assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
 
@@ -174,9 +192,11 @@ def test_json_is_strict_for_every_method(capsys):
     run.main(["--prompt-ids", "1,2,3", "--json", "--method", "all", "--max-new-tokens", "6"])
     out = [strict(line) for line in capsys.readouterr().out.splitlines()]
     assert [o["method"] for o in out] == ["ar1", "ar", "wfd", "ar-dtv", "dtv"]
-    assert all(o["tokens"] == out[0]["tokens"] and o["stats"]["tokens"] == len(o["tokens"]) for o in out)
+    assert all(o["tokens"] == out[0]["tokens"] and o["stats"]["tokens"] == len(o["tokens"])
+               for o in out)
     assert out[0]["stats"]["acceptance"] is None and isinstance(out[0]["text"], str)
-    run.main(["--prompt-ids", "1,2,3", "--json", "--method", "all", "--kv", "shared", "--max-new-tokens", "6"])
+    run.main(["--prompt-ids", "1,2,3", "--json", "--method", "all", "--kv", "shared",
+              "--max-new-tokens", "6"])
     captured = capsys.readouterr()
     out = [strict(line) for line in captured.out.splitlines()]
     assert [o["method"] for o in out] == ["ar1", "ar", "wfd"] and "skipping dtv" in captured.err
@@ -186,7 +206,8 @@ def test_json_is_strict_for_every_method(capsys):
 def test_the_text_and_stats_lines(capsys):
     demo = models.load(run.DEMO)
     ids = demo.tokenizer.encode("def f(x):").ids
-    run.main(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "4", "--steps", "4", "--method", "ar"])
+    run.main(["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "4", "--steps", "4",
+              "--method", "ar"])
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and "k=4 width 2, acceptance -," in out
     run.main(["--prompt", "def f(x):", "--max-new-tokens", "4", "--steps", "4", "--kv", "shared"])
@@ -211,8 +232,9 @@ def test_streaming_prints_whole_characters(capsys):
 
 
 def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
-    """--tokenizer for a folder without one (Parcae's): the prompt after <|bos|>, which that tokenizer
-    does not add itself, and generation stopping at the token named <|eos|> (the config names none)."""
+    """--tokenizer for a folder without one (Parcae's): the prompt after <|bos|>, which that
+    tokenizer does not add itself, and generation stopping at the token named <|eos|>
+    (the config names none)."""
     model = models.load(PARCAE_A)
     prompt = [0, 5, 9, 3]
     eos = wfd.generate(model, prompt, 30, method="ar").tokens[4]
@@ -221,14 +243,14 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
     tok = Tokenizer(WordLevel(vocab, unk_token="w2"))
     tok.pre_tokenizer = Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    run.main(["--model", PARCAE_A, "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompt", "w5 w9 w3",
-              "--max-new-tokens", "30", "--method", "ar", "--json"])
+    run.main(["--model", PARCAE_A, "--tokenizer", str(tmp_path / "tokenizer.json"),
+              "--prompt", "w5 w9 w3", "--max-new-tokens", "30", "--method", "ar", "--json"])
     out = strict(capsys.readouterr().out)
     want = wfd.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens
     assert out["tokens"] == want and want[-1] == eos and len(want) < 30
 
 
-# -- many prompts: --prompts-file ------------------------------------------------------------------------
+# -- many prompts: --prompts-file ------------------------------------------------------------------
 
 LINES = ["def f(x):", "import os", "class A:"]
 
@@ -238,9 +260,11 @@ def test_a_prompts_file(tmp_path, capsys):
     with its own single-prompt AR's tokens; the text output prints each answer with its index."""
     path = tmp_path / "prompts.txt"
     path.write_text(f"{LINES[0]}\n\n{LINES[1]}\n{LINES[2]}\n")
-    argv = ["--prompts-file", str(path), "--batch-size", "2", "--max-new-tokens", "6", "--dtype", "float64"]
+    argv = ["--prompts-file", str(path), "--batch-size", "2", "--max-new-tokens", "6",
+            "--dtype", "float64"]
     run.main(argv + ["--json"])
-    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()),
+                 key=lambda o: o["index"])
     demo = models.load(run.DEMO, dtype=torch.float64)
     assert [o["index"] for o in out] == [0, 1, 2]
     for o, line in zip(out, LINES):
@@ -255,7 +279,8 @@ def test_a_prompts_file(tmp_path, capsys):
     for o in out:
         i = o["index"]
         assert f"[prompt {i}] {o['text']}\n[wfd, prompt {i}, slot {i % 2}] 6 tokens," in text
-    assert text.endswith("\n") and "[wfd] 3 prompts through 2 slots: 18 tokens in " in text.splitlines()[-1]
+    assert (text.endswith("\n")
+            and "[wfd] 3 prompts through 2 slots: 18 tokens in " in text.splitlines()[-1])
 
 
 def test_a_jsonl_prompts_file(tmp_path, capsys):
@@ -263,9 +288,10 @@ def test_a_jsonl_prompts_file(tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     prompts = [[0, 5, 9], [3], [7, 7, 7, 7, 1]]
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
-    run.main(["--model", OURO_A, "--prompts-file", str(path), "--max-new-tokens", "5", "--dtype", "float64",
-              "--method", "ar", "--json"])
-    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    run.main(["--model", OURO_A, "--prompts-file", str(path), "--max-new-tokens", "5",
+              "--dtype", "float64", "--method", "ar", "--json"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()),
+                 key=lambda o: o["index"])
     model = models.load(OURO_A, dtype=torch.float64)
     assert [o["prompt_ids"] for o in out] == prompts and all(o["text"] is None for o in out)
     for o, p in zip(out, prompts):
@@ -274,13 +300,17 @@ def test_a_jsonl_prompts_file(tmp_path, capsys):
 
 
 def test_chat_formats_each_prompt(tmp_path, capsys):
-    """--chat with a prompts file: each text line as its own user turn, stopping at the end of a turn."""
+    """--chat with a prompts file: each text line as its own user turn,
+    stopping at the end of a turn."""
     from test_chat import CHATML, checkpoint
     folder = checkpoint(tmp_path, "ouro", tokenizer_config={"chat_template": CHATML})
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"prompt": "hi there"}) + "\n" + json.dumps({"prompt": "line\nbreak"}) + "\n")
-    run.main(["--model", folder, "--prompts-file", str(path), "--chat", "--max-new-tokens", "3", "--json"])
-    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()), key=lambda o: o["index"])
+    path.write_text(json.dumps({"prompt": "hi there"}) + "\n"
+                    + json.dumps({"prompt": "line\nbreak"}) + "\n")
+    run.main(["--model", folder, "--prompts-file", str(path), "--chat", "--max-new-tokens", "3",
+              "--json"])
+    out = sorted((strict(line) for line in capsys.readouterr().out.splitlines()),
+                 key=lambda o: o["index"])
     model = models.load(folder)
     for o, text in zip(out, ["hi there", "line\nbreak"]):
         ids, stop = chat.chat_prompt(model, text)

@@ -1,5 +1,5 @@
-"""Tests of sampling (wfd.choose): the hashed noise, the distribution it draws from, and every schedule
-token-exact against AR sampling with the same seed."""
+"""Tests of sampling (wfd.choose): the hashed noise, the distribution it draws from, and every
+schedule token-exact against AR sampling with the same seed."""
 import json
 import os
 
@@ -42,7 +42,8 @@ def lowbias32(x):
 
 
 def test_mix32_is_lowbias32_on_the_whole_32_bit_range():
-    xs = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0x80000001, M32 - 1, M32] + list(range(12345, 2**32, 2**32 // 1000))
+    xs = ([0, 1, 2, 0x7FFFFFFF, 0x80000000, 0x80000001, M32 - 1, M32]
+          + list(range(12345, 2**32, 2**32 // 1000)))
     assert sampling.mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
 
 
@@ -50,14 +51,17 @@ def test_noise_is_a_function_of_seed_position_and_token_alone():
     for vocab in (37, 2048, 50257):
         pos = torch.tensor([0, 5, 6, 130, 2**31 - 1])
         batch = sampling.gumbel(wfd.seed_key(4), pos, vocab)
-        for i in range(len(pos)):  # bit for bit whichever batch the row comes in, and wherever in it
+        # bit for bit whichever batch the row comes in, and wherever in it
+        for i in range(len(pos)):
             assert torch.equal(sampling.gumbel(wfd.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
-            assert torch.equal(sampling.gumbel(wfd.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
+            assert torch.equal(
+                sampling.gumbel(wfd.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
         assert torch.equal(sampling.gumbel(wfd.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
         logits = torch.randn(len(pos), vocab, generator=torch.Generator().manual_seed(vocab))
         for s in SETTINGS:
             both = wfd.choose(logits, pos, wfd.Sampling(**s))
-            alone = [int(wfd.choose(logits[i:i + 1], pos[i:i + 1], wfd.Sampling(**s))[0]) for i in range(len(pos))]
+            alone = [int(wfd.choose(logits[i:i + 1], pos[i:i + 1], wfd.Sampling(**s))[0])
+                     for i in range(len(pos))]
             assert both.tolist() == alone
 
 
@@ -69,8 +73,10 @@ def test_noise_uniforms_are_uniform_and_independent():
     counts = torch.bincount((u * 100).long().flatten(), minlength=100)
     assert chi_square_p(counts, torch.full((100,), 0.01, dtype=torch.float64)) > 1e-6
     corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
-    others = [u[:, 1:], u[1:, :]] + [torch.exp(-torch.exp(-sampling.gumbel(wfd.seed_key(s), pos, 2048))) for s in (1, 2**40)]
-    for other in others:  # neighbouring tokens, neighbouring positions, other seeds (a large one too)
+    others = [u[:, 1:], u[1:, :]] + [
+        torch.exp(-torch.exp(-sampling.gumbel(wfd.seed_key(s), pos, 2048))) for s in (1, 2**40)]
+    # neighbouring tokens, neighbouring positions, other seeds (a large one too)
+    for other in others:
         assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
     keys = [0, 1, 2**32, 2**32 + 1, 2**64, 2**40]  # large seeds do not wrap onto small ones
     draws = [sampling.gumbel(wfd.seed_key(s), pos, 2048) for s in keys]
@@ -84,7 +90,8 @@ def chi_square_p(counts, probs):
     n = counts.sum()
     expected = n * probs
     x = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), x / 2))
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64),
+                                         x / 2))
 
 
 def expected_probs(logits, temperature, top_k=None, top_p=None):
@@ -103,14 +110,16 @@ def expected_probs(logits, temperature, top_k=None, top_p=None):
     return probs
 
 
-LOGITS = torch.linspace(-2.0, 1.5, 10)[torch.randperm(10, generator=torch.Generator().manual_seed(0))]
+LOGITS = torch.linspace(-2.0, 1.5, 10)[
+    torch.randperm(10, generator=torch.Generator().manual_seed(0))]
 DRAWS = 3000
 
 
 def first_tokens(sampling_args):
     """The token at one fixed position, drawn with seeds 0..DRAWS-1."""
     pos = torch.tensor([7])
-    return torch.tensor([int(wfd.choose(LOGITS[None], pos, wfd.Sampling(**sampling_args, seed=s))[0])
+    return torch.tensor([int(wfd.choose(LOGITS[None], pos,
+                                        wfd.Sampling(**sampling_args, seed=s))[0])
                          for s in range(DRAWS)])
 
 
@@ -118,11 +127,13 @@ def sample_fits(tokens, probs):
     """No token outside the allowed set, and frequencies that fit `probs` by chi-square."""
     counts = torch.bincount(tokens, minlength=len(probs)).double()
     allowed = probs > 0
-    return bool(counts[~allowed].sum() == 0) and chi_square_p(counts[allowed], probs[allowed]) > 1e-6
+    return (bool(counts[~allowed].sum() == 0)
+            and chi_square_p(counts[allowed], probs[allowed]) > 1e-6)
 
 
-@pytest.mark.parametrize("args", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7),
-                                  dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.7),
+@pytest.mark.parametrize("args", [dict(temperature=1.0), dict(temperature=0.6),
+                                  dict(temperature=1.7), dict(temperature=1.0, top_k=4),
+                                  dict(temperature=0.8, top_p=0.7),
                                   dict(temperature=1.2, top_k=6, top_p=0.8)])
 def test_sampler_draws_from_the_filtered_softmax(args):
     probs = expected_probs(LOGITS, **args)
@@ -130,10 +141,13 @@ def test_sampler_draws_from_the_filtered_softmax(args):
 
 
 def test_the_chi_square_check_catches_wrong_samplers(monkeypatch):
-    assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 0.6))  # temperature ignored
-    assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 1.0, top_k=4))  # no filter
+    assert not sample_fits(first_tokens(dict(temperature=1.0)),
+                           expected_probs(LOGITS, 0.6))  # temperature ignored
+    assert not sample_fits(first_tokens(dict(temperature=1.0)),
+                           expected_probs(LOGITS, 1.0, top_k=4))  # no filter
     gumbel = sampling.gumbel
-    monkeypatch.setattr(sampling, "gumbel", lambda *a: torch.exp(-torch.exp(-gumbel(*a))))  # uniform noise
+    monkeypatch.setattr(sampling, "gumbel",
+                        lambda *a: torch.exp(-torch.exp(-gumbel(*a))))  # uniform noise
     assert not sample_fits(first_tokens(dict(temperature=1.0)), expected_probs(LOGITS, 1.0))
 
 
@@ -156,7 +170,8 @@ def test_filters_never_emit_a_filtered_token():
         out = wfd.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed, keep_logits=True)
         for tok, z in zip(out.tokens, out.logits):
             assert z[tok] >= z.topk(3).values[-1]
-        out = wfd.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed, keep_logits=True)
+        out = wfd.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed,
+                           keep_logits=True)
         assert any(int(z.argmax()) != t for t, z in zip(out.tokens, out.logits))  # it does sample
         for tok, z in zip(out.tokens, out.logits):
             assert expected_probs(z, 1.5, top_p=0.3)[tok] > 0
@@ -164,8 +179,10 @@ def test_filters_never_emit_a_filtered_token():
 
 # -- every schedule gives AR's sampled tokens ------------------------------------------------------
 
-@pytest.mark.parametrize("kind,seed,dtype", quick([(kind, seed, dtype) for kind, seed in CASES for dtype in DTYPES],
-                                                  ("ouro", 1, torch.bfloat16), ("huginn", 0, torch.float16),
+@pytest.mark.parametrize("kind,seed,dtype", quick([(kind, seed, dtype) for kind, seed in CASES
+                                                   for dtype in DTYPES],
+                                                  ("ouro", 1, torch.bfloat16),
+                                                  ("huginn", 0, torch.float16),
                                                   ("parcae", 2, torch.float32)), ids=str)
 def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)
@@ -174,7 +191,8 @@ def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
     assert ar.stats["temperature"] == s["temperature"] and ar.stats["seed"] == s["seed"]
     for k in range(1, model.num_steps + 1):
         for method in ("wfd", "dtv"):
-            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_len=1 + k % 3, **s)
+            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                               draft_len=1 + k % 3, **s)
             assert out.tokens == ar.tokens, (method, k)
 
 
@@ -187,13 +205,16 @@ def test_sampled_forced_drafts_still_give_ar(kind, seed):
     V, T = model.args.vocab_size, model.num_steps
     for k in range(1, T):
         for method in ("wfd", "dtv"):
-            right = wfd.generate(model, prompt, n_new, method=method, draft_steps=k, draft_hook=lambda p, t: at(p), **s)
+            right = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                                 draft_hook=lambda p, t: at(p), **s)
             assert right.tokens == ref and right.stats["rejected"] == 0
             wrong = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
                                  draft_hook=lambda p, t: (at(p) + 1) % V, **s)
-            assert wrong.tokens == ref and wrong.stats["accepted"] == 0 and wrong.stats["rejected"] > 0
+            assert (wrong.tokens == ref and wrong.stats["accepted"] == 0
+                    and wrong.stats["rejected"] > 0)
             some = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p), **s)
+                                draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p),
+                                **s)
             assert some.tokens == ref and some.stats["accepted"] > 0 and some.stats["rejected"] > 0
 
 
@@ -206,14 +227,16 @@ def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
     for i in (0, 1, 7, 15):
         stop = ref.index(ref[i])
         for k in range(1, model.num_steps + 1):
-            for method, hook in (("wfd", None), ("wfd", lambda p, t: at(p)), ("dtv", lambda p, t: at(p))):
-                out = wfd.generate(model, prompt, 30, method=method, draft_steps=k, eos_token_id=ref[i],
-                                   draft_hook=hook, **s)
+            for method, hook in (("wfd", None), ("wfd", lambda p, t: at(p)),
+                                 ("dtv", lambda p, t: at(p))):
+                out = wfd.generate(model, prompt, 30, method=method, draft_steps=k,
+                                   eos_token_id=ref[i], draft_hook=hook, **s)
                 assert out.tokens == ref[:stop + 1], (method, k, i)
 
 
-@pytest.mark.parametrize("kind,seed,dtype", quick([(kind, seed, dtype) for kind, seed in CASES[:2] + CASES[3:5] + CASES[6:7]
-                                                   for dtype in DTYPES], ("ouro", 1, torch.bfloat16)), ids=str)
+@pytest.mark.parametrize("kind,seed,dtype", quick(
+    [(kind, seed, dtype) for kind, seed in CASES[:2] + CASES[3:5] + CASES[6:7] for dtype in DTYPES],
+    ("ouro", 1, torch.bfloat16)), ids=str)
 def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)
     s, prompt, n_new = settings(seed), [3, 1, 4, 1, 5][:1 + seed * 2], 24
@@ -221,13 +244,17 @@ def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     for k in range(1, model.num_steps + 1):
         ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, **s)
         at = lambda pos: ar.tokens[pos - len(prompt)]
-        for hook in (None, lambda p, t: (at(p) + 1) % V, lambda p, t: at(p) if p % 3 else (at(p) + 1) % V):
-            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k, draft_hook=hook, **s)
+        for hook in (None, lambda p, t: (at(p) + 1) % V,
+                     lambda p, t: at(p) if p % 3 else (at(p) + 1) % V):
+            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k,
+                               draft_hook=hook, **s)
             assert out.tokens == ar.tokens, k
 
 
-@pytest.mark.parametrize("name,steps,s", quick([("huginn_A", 8, SETTINGS[2]), ("ouro_A", 4, SETTINGS[0]),
-                                                 ("ouro_A", 4, SETTINGS[1]), ("parcae_A", 4, SETTINGS[1])],
+@pytest.mark.parametrize("name,steps,s", quick([("huginn_A", 8, SETTINGS[2]),
+                                                 ("ouro_A", 4, SETTINGS[0]),
+                                                 ("ouro_A", 4, SETTINGS[1]),
+                                                 ("parcae_A", 4, SETTINGS[1])],
                                                 ("ouro_A", 4, SETTINGS[0])))
 def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
     model = models.load(GOLDEN[name])
@@ -236,7 +263,8 @@ def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
     ar = wfd.generate(model, prompt, 24, method="ar", num_steps=steps, **s)
     for k in range(1, steps + 1):
         for method in ("wfd", "dtv"):
-            out = wfd.generate(model, prompt, 24, method=method, num_steps=steps, draft_steps=k, **s)
+            out = wfd.generate(model, prompt, 24, method=method, num_steps=steps,
+                               draft_steps=k, **s)
             assert out.tokens == ar.tokens, (method, k)
 
 
@@ -260,19 +288,21 @@ def test_sampling_arguments_are_checked():
 # -- the command lines -----------------------------------------------------------------------------
 
 def test_run_py_samples_the_same_text_with_every_method(capsys):
-    run.main(["--model", GOLDEN["ouro_A"], "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--method", "all",
-              "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "7", "--json"])
+    run.main(["--model", GOLDEN["ouro_A"], "--prompt-ids", "1,2,3", "--max-new-tokens", "16",
+              "--method", "all", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95",
+              "--seed", "7", "--json"])
     outs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(outs) == 5 and all(o["tokens"] == outs[0]["tokens"] for o in outs)
-    assert all((o["stats"]["temperature"], o["stats"]["top_k"], o["stats"]["top_p"], o["stats"]["seed"])
-               == (0.9, 40, 0.95, 7) for o in outs)
+    assert all((o["stats"]["temperature"], o["stats"]["top_k"], o["stats"]["top_p"],
+                o["stats"]["seed"]) == (0.9, 40, 0.95, 7) for o in outs)
 
 
 def test_bench_py_samples_with_emulated_acceptance(capsys):
-    bench.main(["--model", GOLDEN["ouro_A"], "--num-prompts", "2", "--prompt-len", "5", "--max-new-tokens", "12",
-                "--warmup", "0", "--acceptance", "0.7", "--temperature", "1.0", "--top-p", "0.9", "--out", "",
-                "--threads", "1"])
+    bench.main(["--model", GOLDEN["ouro_A"], "--num-prompts", "2", "--prompt-len", "5",
+                "--max-new-tokens", "12", "--warmup", "0", "--acceptance", "0.7",
+                "--temperature", "1.0", "--top-p", "0.9", "--out", "", "--threads", "1"])
     text = capsys.readouterr().out
     assert "sampled at temperature 1.0, top-p 0.9, seed 0" in text
-    table = [line for line in text[text.index("### overall"):].splitlines() if line.startswith("| ")][2:]
+    table = [line for line in text[text.index("### overall"):].splitlines()
+             if line.startswith("| ")][2:]
     assert table and all(line.split("|")[-3].strip() == "100%" for line in table)  # identical
