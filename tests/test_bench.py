@@ -376,7 +376,12 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err == "error: --plot needs matplotlib, an optional dependency: pip install matplotlib\n"
-    # and nothing else imports it: bench.py runs without it
+
+
+@pytest.mark.slow
+def test_bench_imports_no_matplotlib():
+    """Nothing but --plot imports it: bench.py runs without it (a process of its own, since this
+    one's tests import it)."""
     done = subprocess.run([sys.executable, "-c",
                            "import sys, bench; assert 'matplotlib' not in sys.modules"], cwd=ROOT)
     assert done.returncode == 0

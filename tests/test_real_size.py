@@ -212,10 +212,9 @@ def test_gpu_check_runs_the_interpreter_it_is_given(tmp_path):
         "huginn: exit 0 in 0 s", "ouro: exit 0 in 0 s"]
 
 
-def bench_command(out, *extra):
-    return [sys.executable, os.path.join(ROOT, "bench.py"), "--model", OURO_A, "--num-prompts", "3",
-            "--prompt-len", "4", "--max-new-tokens", "20", "--warmup", "0", "--methods", "ar,wfd",
-            "--threads", "1", "--out", str(out), *extra]
+def bench_args(out, *extra):
+    return ["--model", OURO_A, "--num-prompts", "3", "--prompt-len", "4", "--max-new-tokens", "20",
+            "--warmup", "0", "--methods", "ar,wfd", "--threads", "1", "--out", str(out), *extra]
 
 
 def interrupt(cmd, ready):
@@ -229,9 +228,11 @@ def interrupt(cmd, ready):
     return p.returncode, err
 
 
-def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
+def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path, capsys):
+    """SIGINT to a bench.py process after its first answer: status 130, one line, the finished
+    answers kept; --resume (run in this process) measures the rest, and refuses other flags."""
     wfd_file = tmp_path / "ouro_A-wfd.jsonl"
-    status, err = interrupt(bench_command(tmp_path),
+    status, err = interrupt([sys.executable, os.path.join(ROOT, "bench.py")] + bench_args(tmp_path),
                             lambda: wfd_file.exists() and wfd_file.stat().st_size)
     assert status == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("interrupted: the finished answers are in ")
@@ -239,17 +240,16 @@ def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path):
              for n in ("ar", "ar-wave", "wfd")}
     finished = len(lines["wfd"])
     assert 1 <= finished < 3 and all(len(v) >= finished for v in lines.values())
-    done = subprocess.run(bench_command(tmp_path, "--resume"), capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"### overall (3 prompts, {finished} of them resumed from " in done.stdout
+    bench.main(bench_args(tmp_path, "--resume"))
+    out = capsys.readouterr().out
+    assert f"### overall (3 prompts, {finished} of them resumed from " in out
     for n in ("ar", "ar-wave", "wfd"):
         ids = [json.loads(line)["question_id"] for line in (tmp_path / f"ouro_A-{n}.jsonl").open()]
         assert sorted(ids) == list(range(3)), n
-    assert "| WFD | 4 |" in done.stdout and "| 100% |" in done.stdout
-    again = subprocess.run(bench_command(tmp_path, "--resume", "--max-new-tokens", "21"),
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert again.returncode == 2 and "holds answers of another run" in again.stderr
+    assert "| WFD | 4 |" in out and "| 100% |" in out
+    with pytest.raises(SystemExit) as exit:
+        bench.main(bench_args(tmp_path, "--resume", "--max-new-tokens", "21"))
+    assert exit.value.code == 2 and "holds answers of another run" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_py_is_one_line_and_status_130():
