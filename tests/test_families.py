@@ -112,16 +112,6 @@ def test_loopformer_forward_matches_golden(loopformer):
     assert max_err(custom, g["logits_custom_trajectory"]) < 1e-4
 
 
-def test_loopformer_generation_matches_golden(loopformer):
-    meta, g = golden("loopformer_A")
-    ids, want = meta["prompt_ids"], g["gen_tokens"].tolist()
-    got, logits = cached_greedy(loopformer, ids, 24, 8)
-    assert got == want and max_err(logits, g["gen_logits_cached"]) < 2e-4
-    full = torch.stack([loopformer.logits(ids + want[:i])[-1] for i in range(24)])
-    assert full.argmax(-1).tolist() == want and max_err(full, g["gen_logits_nocache"]) < 2e-4
-    assert wfd.generate(loopformer, ids, 24, method="ar").tokens == want
-
-
 # -- the Raven retrofits: parity with the official code --------------------------------------------
 
 def test_raven_forward_matches_golden(raven):
@@ -170,14 +160,19 @@ def test_raven_forward_matches_golden(raven):
         assert torch.allclose(m.rope_sin[p], (p * inv_freq).sin(), atol=1e-6)
 
 
-def test_raven_generation_matches_golden(raven):
-    meta, g = golden("raven_A")
+# -- both families: generation against the goldens -------------------------------------------------
+
+@pytest.mark.parametrize("name,tolerance", [("loopformer_A", 2e-4), ("raven_A", 1e-4)])
+def test_generation_matches_golden(name, tolerance, request):
+    """24 greedy tokens through the cache, and each token's logits without it (README tolerances)."""
+    model = request.getfixturevalue(name.split("_")[0])
+    meta, g = golden(name)
     ids, want = meta["prompt_ids"], g["gen_tokens"].tolist()
-    got, logits = cached_greedy(raven, ids, 24, 4)
-    assert got == want and max_err(logits, g["gen_logits_cached"]) < 1e-4
-    full = torch.stack([raven.logits(ids + want[:i])[-1] for i in range(24)])
-    assert full.argmax(-1).tolist() == want and max_err(full, g["gen_logits_nocache"]) < 1e-4
-    assert wfd.generate(raven, ids, 24, method="ar").tokens == want
+    got, logits = cached_greedy(model, ids, 24, model.num_steps)
+    assert got == want and max_err(logits, g["gen_logits_cached"]) < tolerance
+    full = torch.stack([model.logits(ids + want[:i])[-1] for i in range(24)])
+    assert full.argmax(-1).tolist() == want and max_err(full, g["gen_logits_nocache"]) < tolerance
+    assert wfd.generate(model, ids, 24, method="ar").tokens == want
 
 
 def test_raven_random_initial_state_is_seeded_by_position():
