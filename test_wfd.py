@@ -894,10 +894,10 @@ def test_merging_blocks_costs_bfloat16_no_accuracy(sums):
         last = torch.tensor([[blocks * B - 1], [blocks * B - 5], [3 * B + 2], [B + 1]])
         visible = torch.arange(blocks * B)[None] <= last
         kd, vd = (t.double().repeat_interleave(2, 1) for t in (k, v))
-        scores = torch.einsum("nhd,nhbd->nhb", q.double(), kd) / 4
+        scores = torch.einsum("nhd,nhbd->nhb", q.double(), kd) * 16 ** -0.5
         probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-        exact = torch.einsum("nhb,nhbd->nhd", probs, vd)
-        error = lambda y: (y.double() - exact).abs().max()
+        truth = torch.einsum("nhb,nhbd->nhd", probs, vd)
+        error = lambda y: (y.double() - truth).abs().max()
         one_call = kv.block_attention(q, k, v, visible, need_lse=False, sums=False)[0]
         merged = kv.attend_blocks(q, [(k[:, :, lo:lo + B], v[:, :, lo:lo + B],
                                        visible[:, lo:lo + B])
