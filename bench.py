@@ -149,8 +149,9 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
 
 
 def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=None):
-    """Decode the prompts with one method in one batched call through args.batch_size slots (refs:
-    each prompt's ref, as draft_emulator's). One result per prompt, as run's, timed by the wall
+    """Decode the prompts with one method in one batched call through args.batch_size slots (one
+    per prompt when there are fewer: a resumed run's last ones) (refs: each prompt's ref, as
+    draft_emulator's). One result per prompt, as run's, timed by the wall
     clock from its prefill to its last token, and each holding the call's id (batch_id) and its time
     by args.clock until the prompt finished (batch_s: the call's time is its last prompt's).
     on_result(i, result) is called as prompt i finishes."""
@@ -534,7 +535,7 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
     known = {n: list(known[n]) if known and n in known else [None] * len(prompts) for n in names}
     todo = {n: [i for i, r in enumerate(known[n]) if r is None] for n in names}
     fresh = [n for n in names if todo[n]]
-    check_batch_size(batch, [prompts[i] for i in todo[fresh[0]]] if fresh else prompts)
+    check_batch_size(batch, prompts)  # the run's; a resumed one has fewer left, through fewer slots
     for name in names:  # bad settings fail here, not after the reference runs
         checks.check_args(model,
                           prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
@@ -645,6 +646,15 @@ def print_costs(model, T, names, figs, results, args):
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
 
 
+def fewer_slots(results, args):
+    """What the header says of the prompts a resumed batched run measured through fewer slots than
+    --batch-size (fewer prompts were left than it)."""
+    fewer = {r["stats"]["batch_size"] for recs in results.values() for r in recs
+             if args.batch_size and r["stats"]["batch_size"] < args.batch_size}
+    return (f"; the prompts left after resuming ran through {' or '.join(map(str, sorted(fewer)))} "
+            "slots (fewer prompts than the batch were left)" if fewer else "")
+
+
 def print_summary(model, model_id, prompts, source, names, results, compile_s, args, argv,
                   resumed=0):
     """The header, a table per category and overall, the legend: markdown to paste."""
@@ -660,7 +670,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     print(f"- `{shlex.join(['python', 'bench.py'] + (sys.argv[1:] if argv is None else argv))}`")
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
           f"up to {args.max_new_tokens} new tokens, "
-          f"{decoding(args)}, {figures.batch_text(args.batch_size)}"
+          f"{decoding(args)}, {figures.batch_text(args.batch_size)}{fewer_slots(results, args)}"
           + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV "
              f"capacity {args.capacity}" if args.compile else "") + "\n")
     by_cat = defaultdict(list)

@@ -105,12 +105,14 @@ class ModelArgs:
 class Call(NamedTuple):
     """A P / R / C call's inputs besides the rows' data, on the device: the rows' positions (-1: an
     idle lane) and depths, the KV cache (None: causal over 0..N-1) and the key blocks its attention
-    reads (kv.KVCache.span), and whether it runs compiled."""
+    reads (kv.KVCache.span), whether it runs compiled, and LoopFormer's clock: every block's
+    modulation at each depth of the schedule the rows follow (LoopedLM.clock_table)."""
     pos: torch.Tensor
     depth: Optional[torch.Tensor]
     cache: Optional[KVCache]
     span: Optional[int]
     compiled: bool = False
+    clock: Optional[torch.Tensor] = None
 
 
 class LoopedLM(nn.Module):
@@ -155,7 +157,7 @@ class LoopedLM(nn.Module):
         self.inject_dim = a.dim + len(ve_blocks) * ve_dim if a.inject else 0
         self.pos_embed = nn.Embedding(a.max_seq_len, a.dim) if a.pos_embed else None
         self.clock = Clock(a.dim) if a.clock else None
-        self.register_buffer("modulations", None, persistent=False)  # LoopFormer's, by depth
+        self.clock_tables = {}  # LoopFormer: (T, dtype, device) -> clock_table(T)
         cos, sin = rope_table(a)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -183,13 +185,16 @@ class LoopedLM(nn.Module):
         e = body(x, self.value_embeddings(ids), self.to_device(pos, None, cache, compiled))
         return e, self.initial_state(pos)
 
-    def R(self, s, e, pos, depth, cache=None, compiled=False):
+    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
-        or an int64 tensor, per row (on the host)."""
+        or an int64 tensor, per row (on the host). num_steps: the full depth T of the schedule the
+        rows follow (default: the cache's, else the model's), which LoopFormer's clock runs on."""
+        call = self.to_device(pos, depth, cache, compiled)
         if self.clock is not None:
-            self.tabulate(depth)
+            T = num_steps or (self.num_steps if cache is None else cache.num_steps)
+            call = call._replace(clock=self.clock_table(T))
         body = compiling.compiled(self, self.r_body) if compiled else self.r_body
-        return body(s, e, self.to_device(pos, depth, cache, compiled))
+        return body(s, e, call)
 
     def C(self, s, e, pos, cache=None, rows=None):
         """Logits (float32) for `rows` of the batch (default all). The coda runs on every row, since
@@ -212,7 +217,7 @@ class LoopedLM(nn.Module):
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
-        mod = None if self.clock is None else self.modulations[call.depth]  # [(N,) L, 4D]
+        mod = None if call.clock is None else call.clock[call.depth]  # [(N,) L, 4D]
         x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
         x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
         return torch.where(call.pos[:, None] >= 0, x, s)
@@ -258,24 +263,23 @@ class LoopedLM(nn.Module):
             x = blk(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])
         return x
 
-    def tabulate(self, depth=0, again=False):
-        """LoopFormer: every block's modulation (`modulation`) at depths 0.. (at least T,
-        and down to the call's deepest row), which R gathers by each row's depth: a row's bits then
-        do not depend on its call. Depth d is the d-th iteration of the full-depth schedule, t = d
-        steps of dt = 1/T summed in the model's dtype, as the official loop does; each depth is
-        computed alone, so adding depths leaves the others' bits. Made when first needed and again
-        after a change of dtype or device; again=True after the weights are changed in place."""
-        T, table = self.args.num_steps, self.modulations
-        need = max(T, 1 + (int(depth.max()) if torch.is_tensor(depth) else depth))
-        same = table is not None and (table.dtype, table.device) == (self.dtype, self.device)
-        if same and len(table) >= need and not again:
-            return
-        dt = torch.full((1,), 1 / T, dtype=self.dtype, device=self.device)
-        t, rows = torch.zeros_like(dt), []
-        for _ in range(need):
-            rows.append(self.modulation(t, dt))
-            t = t + dt
-        self.modulations = torch.cat(rows)
+    def clock_table(self, num_steps):
+        """LoopFormer: every block's modulation (`modulation`) at each depth of a schedule of T =
+        num_steps iterations, [T, L, 4D], which R gathers by each row's depth, so that a row's bits
+        do not depend on its call. Depth d runs at t = d steps of dt = 1/T summed in the model's
+        dtype, as the official loop over T iterations does: the clock follows the depth the model
+        is run at, and a draft read at depth k < T is a prefix of that schedule. Made once per (T,
+        dtype, device), from the weights as they are then."""
+        key = (num_steps, self.dtype, self.device)
+        if key not in self.clock_tables:
+            dt = torch.full((1,), 1 / num_steps, dtype=self.dtype, device=self.device)
+            t, rows = torch.zeros_like(dt), []
+            for _ in range(num_steps):
+                rows.append(self.modulation(t, dt))
+                t = t + dt
+            self.clock_tables[key] = table = torch.cat(rows)
+            torch._dynamo.mark_static_address(table)  # a CUDA graph reads it where it lies
+        return self.clock_tables[key]
 
     def modulation(self, t, dt):
         """LoopFormer: each block's modulation at the clocks (t, dt) [B]: [B, L, 4D], per block
@@ -302,8 +306,9 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, ids, num_steps=None, state=None):
-        """Logits [N, V] (float32) after `num_steps` recurrences over the whole sequence, no cache.
-        Huginn and Parcae start from the model's initial state, or from `state` [N, D] if given."""
+        """Logits [N, V] (float32) of the model run at depth T = `num_steps` over the sequence,
+        no cache (LoopFormer's clock: T steps of 1/T, its elastic depth). Huginn and Parcae start
+        from the model's initial state, or from `state` [N, D] if given."""
         ids, context = torch.as_tensor(ids).reshape(-1), self.args.max_seq_len
         if len(ids) > context:
             raise ValueError(f"{len(ids)} positions exceed the model's context of {context}")
@@ -317,8 +322,9 @@ class LoopedLM(nn.Module):
                 raise ValueError(f"state has shape {tuple(state.shape)}, expected "
                                  f"{(len(ids), self.args.dim)}")
             s = state.to(self.device, self.dtype)
-        for d in range(self.num_steps if num_steps is None else num_steps):
-            s = self.R(s, e, pos, d)
+        T = self.num_steps if num_steps is None else num_steps
+        for d in range(T):
+            s = self.R(s, e, pos, d, num_steps=T)
         return self.C(s, e, pos)
 
 
@@ -334,10 +340,13 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
         model = LoopedLM(a, config, state_init, seed)
     memory.check_weights_fit(model, torch.device(device), dtype)
     # every tensor allocated once, in its dtype on its device: float32 first and a cast after would
-    # hold both (15 GB for Huginn in bfloat16)
+    # hold both (15 GB for Huginn in bfloat16). to_empty() gives every parameter its own storage,
+    # so the tied head is untied before and tied after (else 0.7 GB for huginn-0125 in between)
+    if a.tie_embeddings:
+        model.lm_head.weight = None
     model = model.to(dtype).to_empty(device=device)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(a))  # fp32 in any dtype
-    if a.tie_embeddings:  # to_empty() gives every parameter its own storage
+    if a.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     if init_seed is not None:
         g = torch.Generator().manual_seed(init_seed)

@@ -898,11 +898,82 @@ def test_merging_blocks_costs_bfloat16_no_accuracy(sums):
         probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
         truth = torch.einsum("nhb,nhbd->nhd", probs, vd)
         error = lambda y: (y.double() - truth).abs().max()
-        one_call = kv.block_attention(q, k, v, visible, need_lse=False, sums=False)[0]
+        one_call = kv.block_attention(q, k, v, kv.mask(visible, k.dtype), need_lse=False,
+                                      sums=False)[0]
         merged = kv.attend_blocks(q, [(k[:, :, lo:lo + B], v[:, :, lo:lo + B],
-                                       visible[:, lo:lo + B])
+                                       kv.mask(visible[:, lo:lo + B], k.dtype))
                                       for lo in range(0, blocks * B, B)], sums)
         assert error(merged) <= 3 * error(one_call), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_masked_columns_add_nothing_whatever_they_hold(dtype):
+    """Each row's output, eager (SDPA) and compiled's sums, one block and merged blocks, is bit for
+    bit the same whether the columns it cannot see hold zeros, inf or NaN, keys and values alike:
+    what they hold differs between schedules (a dropped draft's key, another row's, stale KV), and
+    0 * inf would be NaN."""
+    B, blocks, g = 8, 3, torch.Generator().manual_seed(0)
+    q = torch.randn(4, 4, 16, generator=g).to(dtype)  # 4 rows, 4 heads on 2 kv heads
+    k, v = (torch.randn(4, 2, blocks * B, 16, generator=g).to(dtype) for _ in range(2))
+    # rows that see different columns: what one row cannot see, another can
+    last = torch.tensor([[blocks * B - 1], [B + 2], [3], [2 * B]])
+    visible = torch.arange(blocks * B)[None] <= last
+    hidden = ~visible[:, None, :, None]
+
+    def attend(fill_k, fill_v, sums):
+        kk, vv = k.masked_fill(hidden, fill_k), v.masked_fill(hidden, fill_v)
+        one = kv.block_attention(q, kk, vv, kv.mask(visible, dtype), need_lse=True, sums=sums)
+        merged = kv.attend_blocks(q, [(kk[:, :, lo:lo + B], vv[:, :, lo:lo + B],
+                                       kv.mask(visible[:, lo:lo + B], dtype))
+                                      for lo in range(0, blocks * B, B)], sums)
+        return one[0], one[1], merged
+
+    for sums in (False, True):
+        clean = attend(0.0, 0.0, sums)
+        assert all(t.isfinite().all() for t in clean)
+        for fill_k, fill_v in ((float("inf"), float("nan")), (float("nan"), float("inf")),
+                               (float("-inf"), float("inf"))):
+            got = attend(fill_k, fill_v, sums)
+            assert all(torch.equal(a, b) for a, b in zip(got, clean)), (sums, fill_k, fill_v)
+
+
+def poison_masked_columns(monkeypatch):
+    """Before every R and C call after the prefill (of one sequence), the key columns past every
+    row in flight, up to the end of the blocks the call reads, hold inf in the keys and NaN in the
+    values, in every layer and slot: no row sees them before a row there writes them. (The rows in
+    flight lie within `width` positions, the call's lanes, from the call's first row.)"""
+    span = kv.KVCache.span
+
+    def poisoned(self, pos, bucket=False):
+        n = span(self, pos, bucket)
+        if n and len(pos) > 1:
+            top = int(pos[pos >= 0].min()) + len(pos)
+            for name, fill in (("k", "inf"), ("v", "nan"), ("final_k", "inf"),
+                               ("final_v", "nan")):
+                if hasattr(self, name):
+                    getattr(self, name)[:, :, top:n * self.block] = float(fill)
+        return n
+    monkeypatch.setattr(kv.KVCache, "span", poisoned)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_poisoned_masked_columns_still_give_ar(dtype, monkeypatch):
+    """The columns no row of a call can see hold inf and NaN at every call: every schedule still
+    gives clean AR's tokens and logits (Huginn: prelude, core and coda attend; full and shared KV;
+    wrong drafts forced, so that dropped rows leave their keys behind)."""
+    model = tiny_model("huginn", 1, dtype)
+    prompt, n_new, T, V = [3, 1, 4, 1, 5], 20, model.num_steps, model.args.vocab_size
+    runs = [dict(method="wfd", draft_steps=k, draft_hook=lambda pos, tok: (tok + pos % 2) % V)
+            for k in (1, T // 2)] + [dict(method="dtv", draft_steps=1, draft_len=2),
+                                     dict(method="wfd", draft_steps=2, kv="shared")]
+    clean = [wfd.generate(model, prompt, n_new, keep_logits=True, **run) for run in runs]
+    refs = [wfd.generate(model, prompt, n_new, method="ar", keep_logits=True,
+                         draft_steps=run["draft_steps"], width=out.stats["width"],
+                         kv=run.get("kv", "full")) for run, out in zip(runs, clean)]
+    poison_masked_columns(monkeypatch)
+    for run, ref in zip(runs, refs):
+        out = wfd.generate(model, prompt, n_new, keep_logits=True, **run)
+        assert same_logits(out, ref), run
 
 
 @pytest.mark.parametrize("kind", quick(["ouro", "huginn", "parcae"], "huginn"))

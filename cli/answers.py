@@ -3,6 +3,7 @@ prompts finish, and read back to resume a run cut short."""
 import hashlib
 import json
 import os
+import sys
 import time
 import uuid
 
@@ -42,16 +43,45 @@ class Answers:
         return os.path.join(self.folder, f"{self.model_id}-{name}.jsonl")
 
     def read(self, name):
-        """The answers in name's file, each checked to be of this run."""
-        if not os.path.exists(self.path(name)):
+        """The answers in name's file, each checked to be of this run. A last line cut short (the
+        process killed while writing it) is dropped, saying so on stderr: its prompt is measured
+        again. Any other line that is not an answer is refused, naming the file and the line."""
+        path = self.path(name)
+        if not os.path.exists(path):
             return []
-        with open(self.path(name)) as f:
-            answers = [json.loads(line) for line in f if line.strip()]
-        if any(a.get("run_id") != self.run_id for a in answers):
-            raise ValueError(f"{self.path(name)} holds answers of another run (other flags or "
-                             "model): --resume continues the same command; give another --out for "
-                             "a new run")
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        # a file written whole ends with a newline, so its last piece is empty; else the last
+        # piece is a line whose writing was cut
+        last = len(lines) if lines[-1] else len(lines) - 1
+        answers = []
+        for n, line in enumerate(lines[:last], 1):
+            if not line.strip():
+                continue
+            answer = self.parse(line)
+            if answer is None and n == last and lines[-1]:
+                print(f"{path} line {n}: cut short (the run was killed while writing it); dropped, "
+                      "its prompt is measured again", file=sys.stderr)
+                continue
+            if answer is None:
+                raise ValueError(f"{path} line {n} is not an answer of bench.py: the file is "
+                                 "damaged; remove the line, or give another --out for a new run")
+            if answer["run_id"] != self.run_id:
+                raise ValueError(f"{path} holds answers of another run (other flags or model): "
+                                 "--resume continues the same command; give another --out for a "
+                                 "new run")
+            answers.append(answer)
         return answers
+
+    @staticmethod
+    def parse(line):
+        """An answer line as a dict, or None when it is not one (cut, or damaged)."""
+        try:
+            answer = json.loads(line.decode())
+        except ValueError:  # also the UnicodeDecodeError of a character cut in two
+            return None
+        fields = ("question_id", "run_id", "stats", "bench", "choices")
+        return answer if isinstance(answer, dict) and all(k in answer for k in fields) else None
 
     @staticmethod
     def result(answer, prompt):

@@ -33,9 +33,10 @@ def one_line_errors(main):
             print("error: " + " ".join(str(err).split()), file=sys.stderr)
             sys.exit(2)
         except RuntimeError as err:
-            if not out_of_memory(err):
+            oom = out_of_memory(err)
+            if oom is None:
                 raise
-            print("error: out of memory: " + " ".join(str(err).split("\n")[0].split())[:300]
+            print("error: out of memory: " + " ".join(str(oom).split("\n")[0].split())[:300]
                   + "; try a smaller "
                   "--batch-size, --max-new-tokens or --capacity, --kv shared, or a smaller --dtype",
                   file=sys.stderr)
@@ -46,10 +47,27 @@ def one_line_errors(main):
     return wrapped
 
 
+# what the messages of running out of memory say, whatever raised them: the CPU allocator, CUDA's
+# caching allocator (torch.OutOfMemoryError), a kernel launch or a library's workspace
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                 "CUDNN_STATUS_ALLOC_FAILED")
+
+
 def out_of_memory(err):
-    """A RuntimeError that is torch running out of device memory (CUDA's OutOfMemoryError) or host
-    memory (the CPU allocator's)."""
-    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+    """The exception that says memory ran out, when `err` is one or wraps one (torch.compile's
+    BackendCompilerFailed and InductorError hold theirs as inner_exception, others as their
+    cause): torch.OutOfMemoryError, or a RuntimeError whose message says so ("CUDA error: out
+    of memory" from a kernel, cuBLAS failing to allocate its workspace), the innermost one. None
+    otherwise."""
+    chain = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    for err in reversed(chain):  # the innermost first: a wrapper's message repeats its inner one's
+        if isinstance(err, torch.OutOfMemoryError) or (
+                isinstance(err, RuntimeError) and any(m in str(err) for m in OUT_OF_MEMORY)):
+            return err
+    return None
 
 
 def check_at_least(args, **least):

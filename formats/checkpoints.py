@@ -28,6 +28,9 @@ from formats import configs
 
 # Block's, in the checkpoints' order
 NORMS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+# the floating dtypes of the safetensors header
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+                      "F16": torch.float16}
 # Parcae's weights: the hub's file name, then its repo's
 PICKLES = ("pytorch_model.bin", "model.pt")
 
@@ -265,7 +268,7 @@ class Checkpoint:
         """The dtype of the checkpoint's embedding (a ModelArgs' family), float32 where it
         has none."""
         key = checkpoint_layout(a)[0]["embed.weight"][0][0]
-        return self.weights.read(key).dtype if key in self.weights.keys() else torch.float32
+        return self.weights.dtype(key) if key in self.weights.keys() else torch.float32
 
     def load_into(self, model):
         """The chat files, the weights (every tensor checked: name, shape, finite values; damaged
@@ -352,6 +355,18 @@ class Weights:
 
     def keys(self):
         return self.file.keys()
+
+    def dtype(self, key):
+        """A tensor's dtype, from the safetensors header (or the mapped pickle), without reading
+        it."""
+        if key in self.pickled:
+            return self.pickled[key].dtype
+        with _open(self.file[key]) as f:
+            name = f.get_slice(key).get_dtype()
+        if name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {key!r} in {self.file[key]} has dtype {name}, which a looped "
+                             "LM's weights cannot have")
+        return SAFETENSORS_DTYPES[name]
 
     def read(self, key):
         if key in self.pickled:

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 import models
 import wfd
-from test_wfd import DEVICE, GOLDEN, same_logits, tiny_config, tiny_model
+from test_wfd import DEVICE, GOLDEN, poison_masked_columns, same_logits, tiny_config, tiny_model
 from runtime import compiling, memory
 
 
@@ -136,10 +136,11 @@ def test_compiled_batched_wfd_equals_compiled_batched_ar():
         assert outs[1].stats["accepted"] == 0 and all(o.stats["compiled"] for o in outs)
 
 
-def test_compiled_schedules_compile_nothing_and_equal_compiled_ar():
+def test_compiled_schedules_compile_nothing_and_equal_compiled_ar(monkeypatch):
     """The quick suite's compiled check: after wfd.compile_graphs, compiled AR, WFD and DtV at one
     width give the same tokens and logits in bfloat16 across two key blocks and compile no graph
-    while decoding; without it, a generation compiles."""
+    while decoding; without it, a generation compiles. The same with inf and NaN in the columns no
+    row can see, wrong drafts forced."""
     model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE,
                                init_seed=7)
     prompt, n_new, width = [5, 6, 7], 13, 2  # positions up to 14 of 16: 1 and 2 key blocks of 8
@@ -154,3 +155,7 @@ def test_compiled_schedules_compile_nothing_and_equal_compiled_ar():
         out = run(method, draft_steps=k, draft_len=1)
         assert same_logits(out, ar) and out.stats["graphs_compiled"] == 0, (method, k)
     assert ar.stats["graphs_compiled"] == 0
+    poison_masked_columns(monkeypatch)
+    V = model.args.vocab_size
+    out = run("wfd", draft_steps=2, draft_hook=lambda pos, tok: (tok + pos % 2) % V)
+    assert same_logits(out, ar) and out.stats["rejected"] > 0

@@ -88,10 +88,10 @@ def test_loopformer_forward_matches_golden(loopformer):
     assert close(m.clock.time(m.clock.features(t)), g["time_emb_per_step"], **tol)
     assert close(m.clock.step(m.clock.features(dt[:1]))[0], g["dt_emb"], **tol)
     assert close(m.clock(t, dt), g["cond_per_step"], **tol)
-    m.tabulate(T - 1)
-    assert close(m.modulations.unflatten(-1, (4, -1)), g["modulation_per_step"], **tol)
+    table = m.clock_table(T)
+    assert close(table.unflatten(-1, (4, -1)), g["modulation_per_step"], **tol)
     cos, sin = m.rope_cos[pos], m.rope_sin[pos]
-    block0 = m.core[0](x0, cos, sin, kv.causal_attention, None, m.modulations[0, 0])
+    block0 = m.core[0](x0, cos, sin, kv.causal_attention, None, table[0, 0])
     assert close(block0, g["block0_step1_out"], **tol)
     s, states, logits = x0, [], []
     for d in range(T):
@@ -100,13 +100,13 @@ def test_loopformer_forward_matches_golden(loopformer):
         logits.append(m.C(s, None, pos))
     assert close(torch.stack(states), g["state_per_step"], **tol)
     assert max_err(torch.stack(logits), g["logits_per_step"]) < 1e-4
-    for k in range(1, T + 1):  # the full forward without cache, each depth a prefix of the schedule
-        assert max_err(m.logits(ids, num_steps=k), g["logits_per_step"][k - 1]) < 1e-4, k
     assert max_err(m.logits(ids), g["logits"]) < 1e-4  # the default depth: max_model_loops
     assert max_err(m.logits(ids), g["logits_default_forward"]) < 1e-4
     assert close(transformer.rms_norm(states[-1], m.norm, None), g["final_hidden"], **tol)
-    # the other schedules of the official forward: elastic (k steps of 1/k) and a custom trajectory
+    # the model run at another depth k: its clock takes k steps of 1/k (the elastic budget), as
+    # the official forward run at k iterations
     for k in range(1, T + 1):
+        assert max_err(m.logits(ids, num_steps=k), g["logits_elastic"][k - 1]) < 1e-4, k
         assert max_err(run_schedule(m, ids, [1 / k] * k)[-1], g["logits_elastic"][k - 1]) < 1e-4, k
     custom = run_schedule(m, ids, meta["custom_trajectory"])[-1]
     assert max_err(custom, g["logits_custom_trajectory"]) < 1e-4
@@ -192,10 +192,14 @@ def swapped_features(orig):
 
 @pytest.mark.parametrize("mutation", [
     "sines first", "scale, not 1 + scale", "gates and scales swapped", "no step embedding",
-    "clock frozen", "tanh gelu", "norm eps 1e-6", "no norm_f weight", "dt 1/8 of 16 steps"])
+    "clock frozen", "tanh gelu", "norm eps 1e-6", "no norm_f weight", "dt 1/8 of 16 steps",
+    "dt of the checkpoint's T at another depth"])
 def test_loopformer_golden_catches_wrong_variants(mutation, monkeypatch):
     m = models.load(GOLDEN["loopformer_A"])
-    clock = models.Clock.forward
+    meta, g = golden("loopformer_A")
+    clock, table = models.Clock.forward, models.LoopedLM.clock_table
+    modulation = models.LoopedLM.modulation
+    D = m.args.dim
     time_only = lambda self, t, dt: self.time(self.features(t))
     frozen = lambda self, t, dt: clock(self, torch.zeros_like(t), dt)
     if mutation == "sines first":
@@ -210,15 +214,19 @@ def test_loopformer_golden_catches_wrong_variants(mutation, monkeypatch):
         m.args.norm_eps = 1e-6
     elif mutation == "no norm_f weight":
         m.norm.data.fill_(1.0)
-    elif mutation == "dt 1/8 of 16 steps":  # T read wrong: the first 8 iterations of dt = 1/16
-        m.args.num_steps = 16
-    m.tabulate(7)
-    D = m.args.dim
-    if mutation == "scale, not 1 + scale":
-        m.modulations[..., 2 * D:] -= 1
+    elif mutation == "dt 1/8 of 16 steps":  # the first 8 iterations of dt = 1/16
+        monkeypatch.setattr(models.LoopedLM, "clock_table", lambda self, T: table(self, 2 * T)[:T])
+    elif mutation == "dt of the checkpoint's T at another depth":  # the prefix of dt = 1/8 at T = 4
+        monkeypatch.setattr(models.LoopedLM, "clock_table", lambda self, T: table(self, 8)[:T])
+        assert max_err(m.logits(meta["prompt_ids"], num_steps=4), g["logits_elastic"][3]) > 1e-4
+        return
+    elif mutation == "scale, not 1 + scale":
+        monkeypatch.setattr(models.LoopedLM, "modulation",
+                            lambda self, t, dt: modulation(self, t, dt)
+                            - torch.cat([torch.zeros(2 * D), torch.ones(2 * D)]))
     elif mutation == "gates and scales swapped":
-        m.modulations = m.modulations.roll(2 * D, -1)
-    meta, g = golden("loopformer_A")
+        monkeypatch.setattr(models.LoopedLM, "modulation",
+                            lambda self, t, dt: modulation(self, t, dt).roll(2 * D, -1))
     assert max_err(m.logits(meta["prompt_ids"], num_steps=8), g["logits"]) > 1e-4
 
 
@@ -477,16 +485,26 @@ def test_compiled_wfd_equals_compiled_ar():
         assert torch.allclose(torch.stack(eager.logits), torch.stack(greedy.logits), atol=1e-4)
 
 
-def test_a_depth_past_the_table_extends_it():
-    """num_steps above the checkpoint's T: iterations past t = 1 of the same schedule (dt = 1/T);
-    the table grows, and the rows it held keep their bits."""
-    model = tiny_family("loopformer", 0, torch.float32)
-    T = model.num_steps
-    model.tabulate(0)
-    before = model.modulations.clone()
-    out = exact(model, [1, 2, 3], 8, "wfd", 2, num_steps=T + 3)
-    assert len(model.modulations) == T + 3 and torch.equal(model.modulations[:T], before)
-    assert out.stats["num_steps"] == T + 3
+@pytest.mark.parametrize("T", [4, pytest.param(11, marks=pytest.mark.slow)])
+def test_loopformer_decodes_at_another_depth_on_that_depths_clock(T):
+    """A decode at T other than the checkpoint's 8 runs the clock of T iterations (dt = 1/T), as the
+    official model run at T iterations: the prefill's logits are the official elastic forward's at
+    T = 4 (the golden) and a float64 reference's from the spec at T = 11; every schedule gives AR's
+    tokens and logits at that T."""
+    m, (meta, g) = models.load(GOLDEN["loopformer_A"]), golden("loopformer_A")
+    ids = meta["prompt_ids"]
+    if T == 4:
+        out = wfd.generate(m, ids, 1, num_steps=T, keep_logits=True)
+        assert max_err(out.logits[0], g["logits_elastic"][T - 1][-1]) < 1e-4
+    else:
+        m64 = models.load(GOLDEN["loopformer_A"], dtype=torch.float64)
+        out = wfd.generate(m64, ids, 1, num_steps=T, keep_logits=True)
+        w = {k: v.double() for k, v in load_file(
+            os.path.join(GOLDEN["loopformer_A"], "model.safetensors")).items()}
+        want = loopformer_reference(w, m.config, ids, T, T)[-1][-1]
+        assert torch.allclose(out.logits[0].double(), want, rtol=1e-6, atol=1e-6)
+    for k in range(1, T):
+        exact(m, ids, 12, "wfd", k, num_steps=T)
 
 
 # -- a second layout of each family: random weights, saved, reloaded, against a spec reference -----
@@ -496,10 +514,12 @@ def rms(x, w, eps):
     return y if w is None else y * w
 
 
-def loopformer_reference(w, c, ids, steps):
+def loopformer_reference(w, c, ids, steps, T=None):
     """LoopFormer's forward from spec/loopformer.md, in float64 (the sinusoid in fp32, as the
-    official code): the logits after each of `steps` iterations of the full-depth schedule."""
-    D, H, T, eps = c["n_embd"], c["n_head"], c["max_model_loops"], torch.finfo(torch.float64).eps
+    official code): the logits after each of `steps` iterations of the schedule of T iterations
+    (dt = 1 / T; default T: the checkpoint's)."""
+    D, H, eps = c["n_embd"], c["n_head"], torch.finfo(torch.float64).eps
+    T = T or c["max_model_loops"]
     freqs = torch.exp(-math.log(10000) * torch.arange(128, dtype=torch.float32) / 128)
 
     def embedder(name, tau):
@@ -592,6 +612,16 @@ def rewrite_config(folder, drop):
     return config
 
 
+def depth_logits(model, ids, k):
+    """The logits after k recurrences of the model's full-depth schedule: a draft's read at depth k
+    (LoopFormer's clock of T iterations; model.logits(ids, k) runs the model at depth k)."""
+    pos = torch.arange(len(ids))
+    e, s = model.P(torch.tensor(ids), pos)
+    for d in range(k):
+        s = model.R(s, e, pos, d)
+    return model.C(s, e, pos)
+
+
 def check_b_layout(built, folder, config, reference, n_keys):
     """The reloaded model: the built one's logits at every depth, bit for bit; in float64 the spec
     reference's; and every schedule exact against AR."""
@@ -601,11 +631,11 @@ def check_b_layout(built, folder, config, reference, n_keys):
     again = models.load(folder, state_init="zero")
     assert again.args == built.args
     for k in range(1, T + 1):
-        assert torch.equal(again.logits(ids, num_steps=k), built.logits(ids, num_steps=k)), k
+        assert torch.equal(depth_logits(again, ids, k), depth_logits(built, ids, k)), k
     m64 = models.load(folder, dtype=torch.float64, state_init="zero")
     ref = reference({n: t.double() for n, t in tensors.items()}, config, ids, T)
     for k in range(1, T + 1):  # logits come out in float32: its rounding of the float64 result only
-        got = m64.logits(ids, num_steps=k).double()
+        got = depth_logits(m64, ids, k).double()
         assert torch.allclose(got, ref[k - 1], rtol=1e-6, atol=1e-6), k
     for k in range(1, T + 1):
         for method in ("wfd", "dtv"):

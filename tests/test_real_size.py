@@ -4,6 +4,7 @@ any folder, one line for memory that runs out, the text the model wrote
 (special tokens included)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 from tokenizers import Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
@@ -19,6 +22,7 @@ import models
 import run
 import wfd
 from cli.output import answer_text
+from formats import checkpoints
 from runtime import memory
 from test_chat import CHATML, checkpoint
 
@@ -137,21 +141,75 @@ def test_weights_that_do_not_fit_are_refused_before_allocating(monkeypatch, caps
                           "try a smaller dtype")
 
 
+@pytest.mark.parametrize("name", ["huginn_A", "ouro_A", "parcae_A", "loopformer_A"])
+def test_weights_are_allocated_once_and_the_dtype_read_from_the_header(name, monkeypatch):
+    """from_config allocates each parameter once, the tied head no second time (to_empty would
+    give it storage of its own until tied again: 0.7 GB for huginn-0125); the checkpoint's dtype
+    comes from its header (or the mapped pickle), no tensor read (huginn-0125's embedding: 692
+    MB)."""
+    ckpt = checkpoints.Checkpoint(os.path.join(HERE, "testdata", name))
+    a = models.ModelArgs.from_config(ckpt.config, ckpt.weights.keys())
+    monkeypatch.setattr(checkpoints.Weights, "read", lambda *args: pytest.fail("a tensor read"))
+    assert ckpt.dtype(a) == torch.float32
+    monkeypatch.undo()
+    allocated, empty_like = [], torch.empty_like
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda t, **kw: allocated.append(t.nbytes) or empty_like(t, **kw))
+    model = models.from_config(ckpt.config, keys=ckpt.weights.keys())
+    # every parameter and buffer once (the buffers' RoPE tables are made again in float32 after)
+    assert sum(allocated) == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    assert (model.lm_head.weight is model.embed.weight) == a.tie_embeddings
+
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "15.70 GiB of which 1.10 GiB is free.\nMore text")
+OUT_OF_MEMORY = {  # how running out of memory reaches the commands: the message's first line
+    "allocator": (lambda: torch.OutOfMemoryError(CUDA_OOM),
+                  "CUDA out of memory. Tried to allocate"),
+    # torch.compile wraps what its backend raised
+    "compiling": (lambda: BackendCompilerFailed(None, torch.OutOfMemoryError(CUDA_OOM), None),
+                  "CUDA out of memory. Tried to allocate"),
+    "inductor": (lambda: InductorError(torch.OutOfMemoryError(CUDA_OOM), None),
+                 "CUDA out of memory. Tried to allocate"),
+    "a kernel": (lambda: torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors "
+                                                "might be asynchronously reported"),
+                 "CUDA error: out of memory"),
+    "cuBLAS": (lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                    "`cublasCreate(handle)`"), "CUDA error: CUBLAS_STATUS_ALLOC"),
+    "a cause": (lambda: chained(RuntimeError("the call failed"), torch.OutOfMemoryError(CUDA_OOM)),
+                "CUDA out of memory. Tried to allocate"),
+}
+
+
+def chained(err, cause):
+    err.__cause__ = cause
+    return err
+
+
+@pytest.mark.parametrize("form", OUT_OF_MEMORY)
 @pytest.mark.parametrize("script", [run, bench])
-def test_running_out_of_memory_while_decoding_is_one_line(script, monkeypatch, capsys):
+def test_running_out_of_memory_while_decoding_is_one_line(script, form, monkeypatch, capsys):
+    make, first = OUT_OF_MEMORY[form]
+
     def oom(*args, **kw):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. "
-                                     "GPU 0 has a total capacity "
-                                     "of 15.70 GiB of which 1.10 GiB is free.\nMore text")
+        raise make()
     monkeypatch.setattr(wfd.Decoder, "advance", oom)
+    argv = ["--model", OURO_A, "--max-new-tokens", "4"] + (
+        ["--prompt-ids", "1,2"] if script is run else ["--num-prompts", "1", "--out", ""])
     with pytest.raises(SystemExit) as exit:
-        script.main(["--model", OURO_A, "--max-new-tokens", "4"]
-                    + (["--prompt-ids", "1,2"] if script is run
-                       else ["--num-prompts", "1", "--out", ""]))
+        script.main(argv)
     line = capsys.readouterr().err.splitlines()[-1]
-    assert (exit.value.code == 2
-            and line.startswith("error: out of memory: CUDA out of memory. Tried to allocate "
-                                "2.00 GiB") and "try a smaller --batch-size" in line)
+    assert (exit.value.code == 2 and line.startswith("error: out of memory: " + first)
+            and "try a smaller --batch-size" in line), line
+
+
+def test_other_runtime_errors_keep_their_traceback(monkeypatch):
+    """A RuntimeError that is not memory running out is a bug: it is not turned into one line."""
+    def bug(*args, **kw):
+        raise BackendCompilerFailed(None, RuntimeError("shape mismatch"), None)
+    monkeypatch.setattr(wfd.Decoder, "advance", bug)
+    with pytest.raises(BackendCompilerFailed):
+        run.main(["--model", OURO_A, "--max-new-tokens", "4", "--prompt-ids", "1,2"])
 
 
 def test_stdlib_prompts_start_with_parcaes_bos():
@@ -250,6 +308,83 @@ def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         bench.main(bench_args(tmp_path, "--resume", "--max-new-tokens", "21"))
     assert exit.value.code == 2 and "holds answers of another run" in capsys.readouterr().err
+
+
+def answers_in(folder, names=("ar", "ar-wave", "wfd")):
+    """Each method's answers in folder: question id -> the tokens (each id occurs once)."""
+    out = {}
+    for n in names:
+        ids = [json.loads(line) for line in (folder / f"ouro_A-{n}.jsonl").open()]
+        assert len({a["question_id"] for a in ids}) == len(ids), n
+        out[n] = {a["question_id"]: a["bench"]["tokens"] for a in ids}
+    return out
+
+
+def cut_and_resume(capsys, whole, folder, name, cut, extra=()):
+    """A copy of the finished answers in `whole` with `name`'s file cut to its first `cut` bytes
+    (a kill while it was written), resumed: (the answers after it, stderr)."""
+    shutil.copytree(whole, folder)
+    path = folder / f"ouro_A-{name}.jsonl"
+    path.write_bytes(path.read_bytes()[:cut])
+    bench.main(bench_args(folder, "--resume", *extra))
+    return answers_in(folder), capsys.readouterr().err
+
+
+@pytest.mark.parametrize("offsets", [pytest.param(range(1, 101), marks=slow), (1, 2, 40, 99, 100)],
+                         ids=["every", "some"])
+def test_a_cut_last_line_is_dropped_and_measured_again(tmp_path, capsys, offsets):
+    """A hard kill (SIGKILL, the OOM killer, a power cut) may cut the last line of an answer file
+    anywhere: --resume drops it, says so in one line naming the file and line, and measures its
+    prompt again; every question is answered once, with the tokens of a run never cut short. Any
+    other damaged line is refused in one line, status 2."""
+    whole = tmp_path / "whole"
+    bench.main(bench_args(whole))
+    want = answers_in(whole)
+    names = ("ar", "ar-wave", "wfd")
+    for off in offsets:
+        name = names[off % 3]
+        size = (whole / f"ouro_A-{name}.jsonl").stat().st_size
+        got, err = cut_and_resume(capsys, whole, tmp_path / f"cut{off}", name, size - off)
+        assert got == want, off
+        last = len((whole / f"ouro_A-{name}.jsonl").read_text().splitlines())
+        if off == 1:  # the newline alone: the line is whole, and kept
+            assert "cut short" not in err
+        else:
+            assert (f"ouro_A-{name}.jsonl line {last}: cut short (the run was killed while writing "
+                    "it); dropped, its prompt is measured again") in err, (off, err)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(whole, damaged)
+    path = damaged / "ouro_A-wfd.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0][:30] + "\n" + "".join(lines[1:]))
+    with pytest.raises(SystemExit) as exit:
+        bench.main(bench_args(damaged, "--resume"))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    assert "ouro_A-wfd.jsonl line 1 is not an answer of bench.py" in err.splitlines()[-1]
+
+
+def test_a_batched_run_resumes_with_fewer_prompts_left_than_slots(tmp_path, capsys):
+    """--batch-size 4 --resume after an interrupt that left 1, 2 or 3 of 4 prompts unanswered: the
+    batch shrinks to the prompts left (the run's identity keeps --batch-size 4), the header says
+    so, and the answers are complete, each the tokens of the run never interrupted."""
+    batch = ["--num-prompts", "4", "--batch-size", "4"]
+    whole = tmp_path / "whole"
+    bench.main(bench_args(whole, *batch))
+    want = answers_in(whole)
+    capsys.readouterr()
+    for left in (1, 2, 3):
+        folder = tmp_path / f"left{left}"
+        shutil.copytree(whole, folder)
+        for n in want:  # answers are appended as their prompts finish: the first ones are kept
+            path = folder / f"ouro_A-{n}.jsonl"
+            path.write_text("".join(path.read_text().splitlines(keepends=True)[:4 - left]))
+        bench.main(bench_args(folder, "--resume", *batch))
+        out = capsys.readouterr().out
+        assert answers_in(folder) == want, left
+        assert f"### overall (4 prompts, {4 - left} of them resumed from " in out
+        assert (f"batch 4 (slots refilled as sequences finish); the prompts left after resuming "
+                f"ran through {left} slots") in out, out
 
 
 def test_an_interrupted_run_py_is_one_line_and_status_130():
