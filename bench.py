@@ -34,6 +34,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import torch
@@ -44,7 +45,7 @@ import wfd
 from cli import figures
 from cli.answers import Answers
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
-                      one_line_errors, set_threads)
+                      compiling_line, one_line_errors, resolve_compile, set_threads)
 from cli.output import finite, token_match
 from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
@@ -376,6 +377,76 @@ def run_sweep(model, model_id, names, args, argv, log):
         shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
 
 
+# -- host time per tick ----------------------------------------------------------------------------
+
+@contextmanager
+def calls_return_at_once(model, ticks):
+    """The model's device work (P, R, C and the choice of tokens) replaced by calls that
+    return outputs of the same shapes at once, so that what is left of a generation's time is the
+    host's: the schedules, the Decoder, the transfers. ticks: a list that counts the R calls after
+    the prefill (each appends one)."""
+    saved = wfd.start_body, model.r_body, wfd.read_body
+    outputs = {}
+
+    def made(key, make):
+        if key not in outputs:
+            outputs[key] = make()
+        return outputs[key]
+
+    def start_body(model, ids, call, s, e):
+        return s, e
+
+    def r_body(s, e, call):
+        if call.span:
+            ticks.append(1)
+        return s
+
+    def read_body(model, s, e, call, sampling, rows=None, salt=None):
+        n, lines = len(s) if rows is None else len(rows), 2 if salt is None else 3
+        return made(("read", n, lines), lambda: (
+            s.new_zeros(n, model.args.vocab_size, dtype=torch.float32),
+            torch.stack([s.new_zeros(n, dtype=torch.int64), s.new_ones(n, dtype=torch.int64)]
+                        + [s.new_zeros(n, dtype=torch.int64)] * (lines - 2))))
+    wfd.start_body, model.r_body, wfd.read_body = start_body, r_body, read_body
+    try:
+        yield
+    finally:
+        wfd.start_body, model.r_body, wfd.read_body = saved
+
+
+def host_time(model, args, log):
+    """--host-time: the host's microseconds per tick (one R call of the Decoder, with its share of P
+    and C calls) of AR and WFD through 1 and 8 slots, the model's calls returning at once, drafts
+    right with probability --acceptance (default 0.8). Returns {(method, slots): microseconds}."""
+    accept, V = 0.8 if args.acceptance is None else args.acceptance, model.args.vocab_size
+    length = args.prompt_len or 16
+    n_new = min(args.max_new_tokens, model.args.max_seq_len - length)  # what the context holds
+    figures_us = {}
+    for slots in (1, 8):
+        prompts = [p["ids"] for p in random_prompts(model, slots, length, args.seed)]
+        for method in ("ar", "wfd"):
+            rng = random.Random(args.seed)
+            hook = lambda i, pos, token: token if rng.random() < accept else (token + 1) % V
+            ticks = []
+            run = lambda n: wfd.generate(model, prompts, n, method=method, batch_size=slots,
+                                         draft_hook=hook, num_steps=args.steps,
+                                         draft_steps=args.draft_steps, compile=False)
+            with calls_return_at_once(model, ticks):
+                run(4)  # warm
+                del ticks[:]
+                t0 = time.perf_counter()
+                run(n_new)
+                figures_us[method, slots] = 1e6 * (time.perf_counter() - t0) / len(ticks)
+            log(f"host time: {method} through {slots} slot(s): {len(ticks)} ticks, "
+                f"{figures_us[method, slots]:.1f} us each")
+    print(f"Host time per tick ({machine(args.device)}, 1 thread, wall clock; the model's calls "
+          f"returning at once, {n_new} tokens per prompt, drafts right with "
+          f"probability {accept}): " + "; ".join(
+              f"{METHODS[m][3]} {figures_us[m, 1]:.1f} us at 1 slot, {figures_us[m, 8]:.1f} us at 8"
+              for m in ("ar", "wfd")))
+    return figures_us
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -439,6 +510,8 @@ def parse_args(argv=None):
                    "0.5,0.7,0.8,0.9,0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the sweep "
                    f"({figures.PIXELS[0]}x{figures.PIXELS[1]} pixels; needs matplotlib)")
+    p.add_argument("--host-time", action="store_true", help="time the host's work per tick of AR "
+                   "and WFD at 1 and 8 slots, the model's calls returning at once (same shapes)")
     p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved "
                    "sweep-NAME.json and draw it (with --plot), without running anything")
     return p.parse_args(argv)
@@ -601,8 +674,9 @@ def warm_up(model, prompts, names, args, log):
         t0 = time.perf_counter()
         if args.compile:
             ids = prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts]
-            wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch,
-                               **settings(name, args))
+            graphs = wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch,
+                                        digest_logits=True, **settings(name, args))
+            log(f"{name}: {compiling_line(graphs, time.perf_counter() - t0, model.device)}")
         if tokens > 1 or name == names[0]:
             if batch is None:
                 run(model, prompts[0], name, args, tokens)
@@ -813,6 +887,7 @@ def main(argv=None):
         args = parse_args(argv)
         print(f"paper protocol: {shlex.join(protocol)}; then as given: {shlex.join(given)}\n")
     log = lambda msg: tqdm.write(msg, file=sys.stderr)  # above the progress bar, when there is one
+    resolve_compile(args)
     check_at_least(args, limit=1, per_category=1, per_file=1, num_prompts=1, prompt_len=1, warmup=0,
                    threads=1, max_prompt_tokens=1, batch_size=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
@@ -836,6 +911,9 @@ def main(argv=None):
     names = ["ar"] + [n for n in METHODS
                       if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
     model, model_id = load_model(args, log)
+    if args.host_time:
+        torch.set_num_threads(1)
+        return host_time(model, args, log)
     if args.sweep:
         return sweep_main(model, model_id, names, args, argv, log)
     prompts, source = load_prompts(model, model_id, args, log)

@@ -66,17 +66,14 @@ class KVCache:
         view.batch = 1
         return view
 
-    def span(self, pos, bucket=False):
-        """On the host, before a call (pos: int64 [N], -1 for idle lanes; no device sync): the key
-        blocks its rows can see, or 0 for the prefill (the only call holding position 0). bucket:
-        rounded up to a power of two, so that compiled decoding makes a graph per power, not per
-        block."""
-        pos = pos.tolist()  # one read, not one per element
-        top = max(pos)
+    def span(self, top, prefill=False, bucket=False):
+        """On the host, before a call whose furthest row is at position `top`: the key blocks its
+        rows can see, or 0 for the prefill. bucket: rounded up to a power of two, so that compiled
+        decoding makes a graph per power, not per block."""
         if top >= self.capacity:
             raise IndexError(f"position {top} is past the KV cache's capacity of {self.capacity} "
                              "positions")
-        if pos[0] == 0:
+        if prefill:
             return 0
         n = top // self.block + 1
         return min(1 << (n - 1).bit_length(), self.scratch // self.block) if bucket else n
@@ -243,8 +240,8 @@ class SharedKVCache(KVCache):
         older = self.key_blocks(window[:, :1] - 1, span, (self.final_k, self.final_v))  # p - W
         seq = torch.arange(len(col), device=col.device) // (len(col) // self.batch)
         return SharedStep(**vars(step), seq=seq, ring_col=ring_col, final_col=final_col,
-                          window_col=window % self.ring, window_seen=mask(window >= 0, self.k.dtype),
-                          older=older)
+                          window_col=window % self.ring,
+                          window_seen=mask(window >= 0, self.k.dtype), older=older)
 
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:

@@ -26,7 +26,6 @@ A row is one token position at one depth (completed recurrences). Every recurren
 depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
 matmuls see a plain [rows, D] batch, and only attention cares which depth a row is at (kv.py).
 """
-import hashlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -39,7 +38,9 @@ import torch.nn.functional as F
 from formats import checkpoints, configs
 from kv import KVCache, causal_attention
 from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_table
-from runtime import compiling, memory
+from runtime import compiling, memory, sampling
+
+S0_STREAM = 0x85EBCA6B  # keeps the initial state's noise apart from sampling's for the same seed
 
 
 @dataclass
@@ -123,6 +124,7 @@ class LoopedLM(nn.Module):
         self.args, self.config = a, config or {}
         self.kind, self.num_steps = a.kind, a.num_steps
         self.state_init, self.seed = state_init, seed
+        self.s0_key = sampling.mix32(sampling.seed_key(seed) ^ S0_STREAM)  # initial_state's noise
         self.tokenizer = None
         # what load() reads beside the weights: tokenizer_config.json, chat template, stop ids
         self.tokenizer_config, self.chat_template = {}, None
@@ -171,49 +173,62 @@ class LoopedLM(nn.Module):
         return self.embed.weight.dtype
 
     # -- the three calls --------------------------------------------------------------------------
-    # pos: int64 [N] on the host (its max is read without a device sync), -1 for an idle lane;
+    # pos: int64 [N], -1 for an idle lane: on the device with `top`, the furthest row's position
+    # known on the host (the Decoder's calls), else on the host (the prefill, the full forward).
     # cache: a kv.KVCache, or None for a causal pass over 0..N-1; compiled: the body runs compiled.
 
-    def P(self, ids, pos, cache=None, compiled=False):
-        ids = ids.to(self.device)
-        x = self.embed(ids) * self.args.embed_scale  # [N, D]
-        if self.pos_embed is not None:  # LoopFormer: learned positions (idle lanes: position 0)
-            x = x + self.pos_embed(pos.clamp(min=0).to(self.device))
-        if not self.args.inject:
-            return None, x
-        body = compiling.compiled(self, self.p_body) if compiled else self.p_body
-        e = body(x, self.value_embeddings(ids), self.to_device(pos, None, cache, compiled))
-        return e, self.initial_state(pos)
+    def P(self, ids, pos, cache=None, compiled=False, top=None):
+        """The rows' e and initial state s0 (e None where R reads no e: Ouro, LoopFormer).
+        (Compiled decoding compiles p_body with the rows' entry into their lanes:
+        wfd.start_body.)"""
+        return self.p_body(ids if top is not None else ids.to(self.device),
+                           self.to_device(pos, None, cache, compiled, top))
 
-    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None):
+    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
-        or an int64 tensor, per row (on the host). num_steps: the full depth T of the schedule the
-        rows follow (default: the cache's, else the model's), which LoopFormer's clock runs on."""
-        call = self.to_device(pos, depth, cache, compiled)
+        or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
+        (default: the cache's, else the model's), which LoopFormer's clock runs on."""
+        call = self.to_device(pos, depth, cache, compiled, top)
         if self.clock is not None:
             T = num_steps or (self.num_steps if cache is None else cache.num_steps)
             call = call._replace(clock=self.clock_table(T))
         body = compiling.compiled(self, self.r_body) if compiled else self.r_body
         return body(s, e, call)
 
-    def C(self, s, e, pos, cache=None, rows=None):
+    def C(self, s, e, pos, cache=None, rows=None, top=None):
         """Logits (float32) for `rows` of the batch (default all). The coda runs on every row, since
         it writes coda KV that later positions read. (Compiled decoding compiles c_body with the
         choice of tokens: wfd.read_body.)"""
-        return self.c_body(s, e, self.to_device(pos, None, cache), rows)
+        return self.c_body(s, e, self.to_device(pos, None, cache, top=top), rows)
 
-    def to_device(self, pos, depth, cache, compiled=False):
-        """A call's host inputs, checked against the cache, as a Call on the device."""
-        span = None if cache is None else cache.span(pos, bucket=compiled)
-        move = lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t
+    def to_device(self, pos, depth, cache, compiled=False, top=None):
+        """A call's inputs as a Call on the device, its key blocks checked against the cache: with
+        `top`, pos and depth are on the device already; without, they are read (for the key
+        blocks) and copied there."""
+        if top is not None:
+            span = None if cache is None else cache.span(top, bucket=compiled)
+            return Call(pos, depth, cache, span, compiled)
+        span = None
+        if cache is not None:
+            rows = pos.tolist()  # one read, not one per element
+            span = cache.span(max(rows), prefill=rows[0] == 0, bucket=compiled)
+        move = lambda t: t.to(self.device) if torch.is_tensor(t) else t
         return Call(move(pos), move(depth), cache, span, compiled)
 
-    def p_body(self, x, ve, call):
+    def p_body(self, ids, call):
+        """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
+        state; Ouro and LoopFormer: (None, the embedding)."""
+        x = F.embedding(ids, self.embed.weight) * self.args.embed_scale  # [N, D]
+        if self.pos_embed is not None:  # LoopFormer: learned positions (idle lanes: position 0)
+            x = x + self.pos_embed(call.pos.clamp(min=0))
+        if not self.args.inject:
+            return None, x
+        ve = self.value_embeddings(ids)
         x = self._layers(self.prelude, x, call, ve)
         if self.prelude_norm is not None:
             x = rms_norm(x, self.prelude_norm, self.args.norm_eps)
         e = self.adapter.input(x) if self.args.injection == "diagonal" else x
-        return e if ve is None else torch.cat([e, ve], dim=-1)
+        return (e if ve is None else torch.cat([e, ve], dim=-1)), self.initial_state(call.pos)
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
@@ -278,7 +293,7 @@ class LoopedLM(nn.Module):
                 rows.append(self.modulation(t, dt))
                 t = t + dt
             self.clock_tables[key] = table = torch.cat(rows)
-            torch._dynamo.mark_static_address(table)  # a CUDA graph reads it where it lies
+            torch._dynamo.mark_static_address(table, guard=True)  # CUDA graphs read it in place
         return self.clock_tables[key]
 
     def modulation(self, t, dt):
@@ -288,19 +303,15 @@ class LoopedLM(nn.Module):
         return torch.stack([blk.ada(c) for blk in self.core], dim=1)
 
     def initial_state(self, pos):
-        """Huginn's and Parcae's s0. "random" draws the like-init distribution (truncated normal at
-        +-3 sigma, times the embedding scale) from a generator seeded by (seed, position), so a
-        position gets the same s0 however often and by whichever schedule it is computed."""
+        """Huginn's, Parcae's and the retrofits' s0 at positions pos [N] (on the device): zero, or
+        "random", the like-init draw (a normal cut at +-3 sigma, times the embedding scale) made on
+        the device by a counter-based function of (seed, position, channel), so a position gets the
+        same s0 however often, by whichever schedule and in whichever batch or lane it is made."""
         a = self.args
         if self.state_init == "zero":
             return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
-        rows = []
-        for p in pos.tolist():
-            key = hashlib.blake2b(f"{self.seed},{p}".encode(), digest_size=4).digest()
-            g = torch.Generator().manual_seed(int.from_bytes(key, "little"))  # CPU: 32 bits
-            rows.append(nn.init.trunc_normal_(torch.empty(a.dim), std=a.init_std, a=-3 * a.init_std,
-                                              b=3 * a.init_std, generator=g))
-        return (torch.stack(rows) * a.embed_scale).to(self.device, self.dtype)
+        z = sampling.truncated_normal(self.s0_key, pos.clamp(min=0), a.dim)
+        return (z * (a.init_std * a.embed_scale)).to(self.dtype)
 
     # -- full-sequence forward --------------------------------------------------------------------
 
@@ -348,15 +359,16 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(a))  # fp32 in any dtype
     if a.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    if init_seed is not None:
-        g = torch.Generator().manual_seed(init_seed)
+    if init_seed is not None:  # drawn on the device: a real size's weights in seconds on a GPU
+        g = torch.Generator(device).manual_seed(init_seed)
+        draw = dict(generator=g, device=device)
         for name, p in model.named_parameters():
             if name.endswith("norm"):
-                w = 1 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5)
+                w = 1 + 0.2 * (torch.rand(p.shape, **draw) - 0.5)
             elif name.endswith("qk_bias"):
-                w = 0.3 * torch.randn(p.shape, generator=g)
+                w = 0.3 * torch.randn(p.shape, **draw)
             else:
-                w = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
+                w = torch.randn(p.shape, **draw) / math.sqrt(p.shape[-1])
             p.data.copy_(w)
     return model.eval().requires_grad_(False)
 

@@ -12,7 +12,7 @@ import time
 import models
 import wfd
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
-                      one_line_errors, set_threads)
+                      compiling_line, one_line_errors, resolve_compile, set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
 from cli.prompts import default_eos, read_prompt, read_prompts
 from formats.checkpoints import load_tokenizer
@@ -64,9 +64,12 @@ def compile_runs(model, prompts, runs, settings, args, batch_size=None):
     decoded together)."""
     longest = max(map(len, prompts)) if isinstance(prompts[0], list) else len(prompts)
     settings["capacity"] = longest + args.max_new_tokens - 1
+    t0, graphs = time.perf_counter(), 0
     for _, method, width in runs:
-        wfd.compile_graphs(model, prompts, args.max_new_tokens, method=method, width=width,
-                           batch_size=batch_size, **settings)
+        graphs += wfd.compile_graphs(model, prompts, args.max_new_tokens, method=method,
+                                     width=width, batch_size=batch_size,
+                                     digest_logits=len(runs) > 1, **settings)
+    print(compiling_line(graphs, time.perf_counter() - t0, model.device), file=sys.stderr)
 
 
 def decode_file(args, model, method, width, settings):
@@ -107,6 +110,7 @@ def decode_file(args, model, method, width, settings):
 def main(argv=None):
     args = parse_args(argv)
     check_at_least(args, threads=1, batch_size=1)
+    resolve_compile(args)
     if args.batch_size is not None and args.prompts_file is None:
         raise ValueError("--batch-size needs --prompts-file: one prompt decodes alone")
     if args.prompts_file is not None and (args.method == "all" or args.show_wavefront):

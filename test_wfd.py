@@ -872,7 +872,7 @@ def test_blocks_only_other_rows_see_change_no_bit(window):
 
     def first_row(other, layer, depth):
         pos = torch.tensor([p, other])
-        span = cache.span(pos)
+        span = cache.span(max(p, other))
         return cache.attend(cache.prepare(pos, depth, span), layer, q, k, v)[0], span
 
     for layer, depth in [(0, torch.tensor([2, 1])), (a.n_core, None)]:
@@ -942,18 +942,18 @@ def poison_masked_columns(monkeypatch):
     row in flight, up to the end of the blocks the call reads, hold inf in the keys and NaN in the
     values, in every layer and slot: no row sees them before a row there writes them. (The rows in
     flight lie within `width` positions, the call's lanes, from the call's first row.)"""
-    span = kv.KVCache.span
+    to_device = models.LoopedLM.to_device
 
-    def poisoned(self, pos, bucket=False):
-        n = span(self, pos, bucket)
-        if n and len(pos) > 1:
-            top = int(pos[pos >= 0].min()) + len(pos)
+    def poisoned(self, pos, depth, cache, compiled=False, top=None):
+        call = to_device(self, pos, depth, cache, compiled, top)
+        if call.span and len(pos) > 1:
+            start, end = int(pos[pos >= 0].min()) + len(pos), call.span * cache.block
             for name, fill in (("k", "inf"), ("v", "nan"), ("final_k", "inf"),
                                ("final_v", "nan")):
-                if hasattr(self, name):
-                    getattr(self, name)[:, :, top:n * self.block] = float(fill)
-        return n
-    monkeypatch.setattr(kv.KVCache, "span", poisoned)
+                if hasattr(cache, name):
+                    getattr(cache, name)[:, :, start:end] = float(fill)
+        return call
+    monkeypatch.setattr(models.LoopedLM, "to_device", poisoned)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

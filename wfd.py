@@ -16,7 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from runtime import checks, compiling, memory
-from runtime.sampling import Sampling, choose, seed_key
+from runtime.sampling import M32, Sampling, choose, mix32, seed_key
+from runtime.transfers import Staging, fetch
 
 
 # -- what a schedule works with --------------------------------------------------------------
@@ -25,14 +26,19 @@ from runtime.sampling import Sampling, choose, seed_key
 class Row:
     pos: int                 # the position this row computes (its token sits there)
     token: int
-    depth: int = 0           # completed recurrences; the state itself lives in lane pos % width
+    depth: int = 0           # completed recurrences; the state itself lives in its lane
+    lane: int = None         # the lane that holds its state, given by its P call (Decoder.start)
 
 
 @dataclass
 class Readout:
+    """What a C call read from a row: its token, and, for the rows whose logits are kept or
+    digested, their place in the read (Decoder.read)."""
     token: int               # the token this row's logits choose for the next position
-    logits: torch.Tensor     # [V], on the model's device
     finite: bool             # no NaN or inf among them
+    logits: torch.Tensor     # the read's logits [lanes, V], on the model's device
+    lane: int                # this row's among them
+    digest: int = None       # the hash of this row's logits' bits (read_body), when digested
 
 
 class Advance(NamedTuple):
@@ -69,9 +75,10 @@ class Sequence:
         self.starting = None  # the row its next P call starts
         self.entry = None  # its latest trace entry
         self.slot, self.t0 = None, None  # set by its prefill
-        # r_seconds: host time in its R calls after the prefill (bench.py)
+        # r_seconds: host time in its R calls after the prefill (bench.py); host_syncs: the
+        # blocking transfers after the prefill (reads of its C calls' tokens: one per tick at most)
         self.stats = dict(index=index, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0,
-                          rejected=0, stop_token=None, r_seconds=0.0)
+                          rejected=0, stop_token=None, r_seconds=0.0, host_syncs=0)
 
     def start(self, pos, token):
         """P: a new row at depth 0, made by the next call (before the R call that advances it)."""
@@ -104,9 +111,9 @@ class Sequence:
                              "or damaged weights)")
         self.tokens.append(out.token)
         if self.logits is not None:  # a copy of the row: a view would keep the read's [lanes, V]
-            self.logits.append(out.logits.clone())
-        if self.digest is not None:  # the bytes of the row: equal digests, bit-equal logits
-            self.digest.update(out.logits.cpu().numpy().tobytes())
+            self.logits.append(out.logits[out.lane].clone())
+        if self.digest is not None:  # the row's hash, computed on the device (read_body)
+            self.digest.update(out.digest.to_bytes(8, "little"))
         if self.on_token:
             self.on_token(out.token)
         if out.token in self.stop:
@@ -181,13 +188,38 @@ def draft_then_verify(seq: Sequence, k: int, draft_len: int):
 
 # -- the calls -------------------------------------------------------------------------------
 
-def read_body(model, s, e, call, sampling, rows=None):
+def start_body(model, ids, call, s, e):
+    """P, and its rows' e and s0 into their lanes (pos >= 0) of the lanes' s and e, in one function,
+    so that compiled decoding compiles them into one graph: the new (s, e)."""
+    e_new, s_new = model.p_body(ids, call)
+    started = call.pos[:, None] >= 0
+    return torch.where(started, s_new, s), None if e is None else torch.where(started, e_new, e)
+
+
+def read_body(model, s, e, call, sampling, rows=None, salt=None):
     """C and the tokens its logits choose, in one function, so that compiled decoding compiles them
     into one graph: logits [n, V] of `rows` (default all), and int64 [2, n] holding the token each
-    chooses for the position after its row and 1 where all its logits are finite."""
+    chooses for the position after its row and 1 where all its logits are finite; with the salt
+    (digest_salt), a third line, each row's digest."""
     logits = model.c_body(s, e, call, rows)
     nxt = (call.pos if rows is None else call.pos[rows]) + 1
-    return logits, torch.stack([choose(logits, nxt, sampling), logits.isfinite().all(-1).long()])
+    chosen = [choose(logits, nxt, sampling), logits.isfinite().all(-1).long()]
+    if salt is not None:
+        chosen.append(digest(logits, salt))
+    return logits, torch.stack(chosen)
+
+
+def digest_salt(vocab, device):
+    return mix32(torch.arange(vocab, device=device))
+
+
+def digest(logits, salt):
+    """Each row's hash [n] (int64) of the bits of its float32 logits [n, V]: the sum over v of
+    mix32(bits_v xor salt_v), exact in int64 (V * 2^32 < 2^63). A change of any one logit changes
+    it (mix32 is a bijection); several changes cancel out with a chance of about 2^-32. Made on
+    the device, so that digested logits never cross to the host."""
+    bits = logits.view(torch.int32).long() & M32
+    return mix32(bits ^ salt).sum(-1)
 
 
 @dataclass
@@ -201,47 +233,42 @@ class Running:
 class Decoder:
     """The calls of `slots` sequences decoded together, and what they share: the model, the KV
     cache (a sequence per slot) and the lanes. A prompt's prefill is a call of its own; after it
-    every P call runs one row per slot, and every R and C call `slots x width` lanes: slot b's lanes
-    come b-th, its row p in lane p % width, idle lanes at position -1. A row thus meets the same
-    lanes and call shapes in every schedule, so a schedule computes AR's bits at the same batch and
-    width, in any dtype (docs/exactness.md), whoever shares the call."""
+    every P, R and C call runs `slots x width` lanes: slot b's lanes come b-th, a row in the lane
+    its P call gave it (its position mod width, unless a row of its sequence's call holds that
+    lane: then the first one free), idle lanes at position -1. A row thus meets the same lanes and
+    call shapes in every schedule whose rows in flight lie within `width` positions (AR, DtV, WFD),
+    so a schedule computes AR's bits at the same batch and width, in any dtype
+    (docs/exactness.md), whoever shares the call.
+
+    What the host sends a call (ids, positions, depths) goes through pinned memory without
+    blocking (runtime.transfers.Staging), and a C call's tokens are the one read back, so that a
+    tick makes one blocking transfer (docs/compiling.md)."""
 
     def __init__(self, model, slots, capacity, *, num_steps, width, window=None,
-                 sampling=Sampling(), compile=False):
+                 sampling=Sampling(), compile=False, digest=False):
         self.model, self.slots, self.num_steps, self.width = model, slots, num_steps, width
-        self.compiled = compile
+        self.compiled, self.lanes = compile, slots * width
         allocate = memory.static_cache if compile else memory.new_cache
         self.cache = allocate(model, capacity, num_steps, window, slots)
-        self.read_call = read_body  # C and the choice of tokens
+        # P with the rows' entry into their lanes, and C with the choice of tokens (R: model.R)
+        self.start_call, self.read_call = start_body, read_body
         if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
             room = len(self.cache.buckets())
-            self.read_call = compiling.compiled(model, read_body, room)
-            for fn in (model.p_body, model.r_body):
-                compiling.compiled(model, fn, room)
-        lanes = lambda dim: torch.zeros(slots * width, dim, device=model.device, dtype=model.dtype)
-        self.s = lanes(model.args.dim)  # [slots * width, D]: the rows' states
+            self.start_call, self.read_call, _ = (
+                compiling.compiled(model, fn, room) for fn in (start_body, read_body, model.r_body))
+        lanes = lambda dim: torch.zeros(self.lanes, dim, device=model.device, dtype=model.dtype)
+        self.s = lanes(model.args.dim)  # [lanes, D]: the rows' states
         self.e = lanes(model.inject_dim) if model.inject_dim else None  # P's output for the rows
-        self.keys = torch.zeros(slots * width, dtype=torch.int64, device=model.device)  # seed keys
+        self.keys = torch.zeros(self.lanes, dtype=torch.int64, device=model.device)  # seed keys
         self.sampler = sampling.on(model.device)._replace(key=self.keys)
-
-    def lane(self, seq, row):
-        return seq.slot * self.width + row.pos % self.width
-
-    def lanes(self, runs):
-        """Tensors [slots * width]: each running row's position and depth in its lane, -1 and 0 in
-        the idle lanes."""
-        pos, depth = [-1] * self.slots * self.width, [0] * self.slots * self.width
-        for run in runs:
-            for r in run.waits.rows:
-                lane = self.lane(run.seq, r)
-                pos[lane], depth[lane] = r.pos, r.depth
-        return torch.tensor(pos), torch.tensor(depth)
+        self.salt = digest_salt(model.args.vocab_size, model.device) if digest else None
+        self.staging = Staging(model.device, 2, self.lanes)  # a call's two int64 lines
 
     def prefill(self, seq, slot):
         """The whole prompt at full depth into its slot's cache, in a call of its own; commits the
         first new token (True when that ends the sequence)."""
         seq.slot, seq.t0 = slot, time.perf_counter()
-        self.keys[slot * self.width:(slot + 1) * self.width] = seq.key
+        self.keys[slot * self.width:(slot + 1) * self.width].fill_(seq.key)
         n, cache = len(seq.prompt), self.cache.slot(slot)
         pos = torch.arange(n)
         e, s = self.model.P(torch.tensor(seq.prompt), pos, cache)
@@ -252,38 +279,49 @@ class Decoder:
         seq.stats["c_calls"] += 1
         sampler = self.sampler._replace(key=self.keys[slot * self.width])
         call = self.model.to_device(pos, None, cache)
-        logits, chosen = read_body(self.model, s, e, call, sampler, rows=[n - 1])
-        token, finite = chosen[:, 0].tolist()
-        return seq.commit(Readout(token, logits[0], bool(finite)))
+        logits, chosen = read_body(self.model, s, e, call, sampler, [n - 1], self.salt)
+        token, finite, *digest = fetch(chosen[:, 0])
+        return seq.commit(Readout(token, bool(finite), logits, 0, *digest))
 
-    def start(self, seqs):
-        """P: the rows the sequences started, one row per slot (idle slots at position -1)."""
-        ids, pos = [0] * self.slots, [-1] * self.slots
-        for seq in seqs:
-            ids[seq.slot], pos[seq.slot] = seq.starting.token, seq.starting.pos
-        e, s = self.model.P(torch.tensor(ids), torch.tensor(pos), self.cache, self.compiled)
-        for seq in seqs:
-            lane = self.lane(seq, seq.starting)
-            self.s[lane] = s[seq.slot]
-            if e is not None:
-                self.e[lane] = e[seq.slot]
-            seq.starting = None
+    def start(self, runs):
+        """P: the rows the sequences started, each in its lane (the other lanes idle, and kept)."""
+        ids, pos = self.staging.next()
+        ids.fill(0)
+        pos.fill(-1)
+        top = 0
+        for run in runs:
+            row, first = run.seq.starting, run.seq.slot * self.width
+            taken = {r.lane for r in run.waits.rows if r is not row}
+            row.lane = first + row.pos % self.width
+            if row.lane in taken:
+                row.lane = min(set(range(first, first + self.width)) - taken)
+            ids[row.lane], pos[row.lane], top = row.token, row.pos, max(top, row.pos)
+            run.seq.starting = None
+        ids, pos = self.staging.send()
+        call = self.model.to_device(pos, None, self.cache, self.compiled, top)
+        self.s, self.e = self.start_call(self.model, ids, call, self.s, self.e)
 
     def advance(self, runs):
         """R: one call moves every row of every sequence one recurrence deeper, each at its own
         depth (after the P call of the rows they started, when any). The other lanes keep their
         state (draft-then-verify's rows waiting for the verify pass)."""
-        starting = [run.seq for run in runs if run.seq.starting is not None]
+        starting = [run for run in runs if run.seq.starting is not None]
         if starting:
             self.start(starting)
-        pos, depth = self.lanes(runs)
+        pos, depth = self.staging.next()
+        pos.fill(-1)
+        depth.fill(0)
+        top = 0
+        for run in runs:
+            for r in run.waits.rows:
+                pos[r.lane], depth[r.lane], top = r.pos, r.depth, max(top, r.pos)
+                r.depth += 1
+        pos, depth = self.staging.send()
         t0 = time.perf_counter()
-        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, compiled=self.compiled)
+        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, self.compiled, top=top)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
-            for r in rows:
-                r.depth += 1
             if seq.trace is not None:  # one entry per R call: (position, depth reached) of each row
                 index = {"index": seq.index} if seq.batched else {}
                 seq.entry = dict(rows=[(r.pos, r.depth) for r in rows], **index)
@@ -295,15 +333,23 @@ class Decoder:
     def read(self, runs):
         """C: each running row's logits and the token they choose, in one call and one transfer to
         the host. Returns each run's Readouts."""
-        pos, _ = self.lanes(runs)
-        call = self.model.to_device(pos, None, self.cache, self.compiled)
-        logits, chosen = self.read_call(self.model, self.s, self.e, call, self.sampler)
-        tokens, finite = chosen.tolist()
+        pos = self.staging.next()[0]
+        pos.fill(-1)
+        top = 0
+        for run in runs:
+            for r in run.waits.rows:
+                pos[r.lane], top = r.pos, max(top, r.pos)
+        pos = self.staging.send()[0]
+        call = self.model.to_device(pos, None, self.cache, self.compiled, top)
+        logits, chosen = self.read_call(self.model, self.s, self.e, call, self.sampler,
+                                        salt=self.salt)
+        tokens, finite, *digests = fetch(chosen)  # the tick's one blocking transfer
         out = []
         for run in runs:
             run.seq.stats["c_calls"] += 1
-            lanes = [self.lane(run.seq, r) for r in run.waits.rows]
-            out.append([Readout(tokens[i], logits[i], bool(finite[i])) for i in lanes])
+            run.seq.stats["host_syncs"] += 1
+            out.append([Readout(tokens[r.lane], bool(finite[r.lane]), logits, r.lane,
+                                *(d[r.lane] for d in digests)) for r in run.waits.rows])
         return out
 
 
@@ -352,11 +398,13 @@ def compile_graphs(model, prompt_ids, max_new_tokens, **settings):
     """Compile every graph that generate(model, prompt_ids, max_new_tokens, compile=True,
     **settings) can meet (runtime.compiling.warm_up), so that a timed generation compiles none;
     settings: generate's, the callbacks aside. Returns the graphs compiled (0: they all existed)."""
+    digest = settings.pop("digest_logits", False)
     p = checks.plan(model, prompt_ids, max_new_tokens, **dict(settings, compile=True))
     graphs = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         compiling.warm_up(Decoder(model, p.slots, p.capacity, num_steps=p.num_steps, width=p.width,
-                                  window=p.window, sampling=p.sampling, compile=True))
+                                  window=p.window, sampling=p.sampling, compile=True,
+                                  digest=digest))
     return counters["stats"]["unique_graphs"] - graphs
 
 
@@ -377,9 +425,11 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     replace each draft (the output must not change); on_token(token) as each token commits (both
     take the prompt's index first when there are several); on_finish(i, generation) as prompt i
     finishes. trace: a list that receives one dict per R call. keep_logits: the committed logits in
-    Generation.logits; digest_logits: a digest of their bytes in stats["logits_digest"] (equal
-    digests, bit-equal logits). compile: docs/compiling.md; stats["graphs_compiled"] counts the
-    graphs made during the generation (none after compile_graphs)."""
+    Generation.logits; digest_logits: a digest of their bits, hashed on the device, in
+    stats["logits_digest"] (equal digests: bit-equal logits, but for a chance of about 2^-32).
+    compile: docs/compiling.md; stats["graphs_compiled"] counts the graphs made during the
+    generation (none after compile_graphs), stats["cuda_graphs_rerecorded"] and
+    ["cuda_graphs_skipped"] the CUDA graphs re-recorded and skipped (none)."""
     p = checks.plan(model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps,
                     draft_steps=draft_steps, draft_len=draft_len, width=width, capacity=capacity,
                     eos_token_id=eos_token_id, kv=kv, window=window, temperature=temperature,
@@ -392,12 +442,13 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     dec = Decoder(model, p.slots, p.capacity, num_steps=T, width=p.width, window=p.window,
-                  sampling=p.sampling, compile=compile)
+                  sampling=p.sampling, compile=compile, digest=digest_logits)
     settings = dict(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
                     window=p.window, width=p.width, batch_size=p.slots, temperature=temperature,
                     top_k=top_k, top_p=top_p, compiled=compile, eos_token_ids=sorted(p.stop),
                     kv_bytes=dec.cache.nbytes)
     graphs, generations = counters["stats"]["unique_graphs"], [None] * len(p.prompts)
+    cuda_graphs = compiling.cuda_graph_counts(model.device)
 
     def finish(seq):
         """A sequence's Generation as it finishes (graphs and peak memory: the counts so far)."""
@@ -407,6 +458,9 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
                      acceptance=stats["accepted"] / verified if verified else float("nan"),
                      tokens_per_s=n / wall, slot=seq.slot, seed=p.seeds[seq.index],
                      graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
+                     **dict(zip(("cuda_graphs_rerecorded", "cuda_graphs_skipped"), (
+                         now - before for now, before in zip(
+                             compiling.cuda_graph_counts(model.device), cuda_graphs)))),
                      peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda
                      else None,
                      logits_digest=seq.digest and seq.digest.hexdigest())

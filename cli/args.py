@@ -92,13 +92,30 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
                    "parameters, whose matmuls are too small to share between cores; else "
                    "torch's default)")
     p.add_argument("--compile", action="store_true", help="run the P, R and C calls after the "
-                   "prefill compiled by torch.compile (on CUDA as CUDA graphs); " + compile_help)
+                   "prefill compiled by torch.compile (on CUDA as CUDA graphs, the default there); "
+                   + compile_help)
+    p.add_argument("--eager", action="store_true", help="on CUDA, run the calls without compiling "
+                   "them (on a CPU the default)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else "
                    "sample (every method gives AR's sampled tokens with the same seed)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
     p.add_argument("--top-p", type=float,
                    help="sample from the most likely tokens that reach probability p")
     p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def resolve_compile(args):
+    """--compile and --eager: compiled on CUDA unless --eager (eager, every call is thousands of
+    kernel launches, and the GPU waits for the host), eager on a CPU unless --compile."""
+    if args.compile and args.eager:
+        raise ValueError("--compile and --eager contradict each other: give one")
+    args.compile = args.compile or (args.device == "cuda" and not args.eager)
+
+
+def compiling_line(graphs, seconds, device):
+    """What the commands say once they have compiled, on stderr."""
+    return (f"compiled {graphs} graphs in {seconds:.1f} s (torch.compile"
+            + (", CUDA graphs; --eager runs without" if device.type == "cuda" else "") + ")")
 
 
 def set_threads(model, threads=None):

@@ -4,6 +4,7 @@ graphs replayed with their outputs copied out, and a decoder's graphs made befor
 from functools import partial
 
 import torch
+from torch._dynamo.utils import counters
 
 
 def compiled(model, fn, room=0):
@@ -35,16 +36,16 @@ def make_room(fn, graphs):
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, n + graphs)
 
 
-def replay(graphed, *args):
+def replay(graphed, *args, **kwargs):
     """A call of a CUDA-graphed function: its outputs live in memory that the next replay
     overwrites, so the caller gets copies."""
     torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
-    out = graphed(*args)
+    out = graphed(*args, **kwargs)
     return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
 
 def warm_up(dec):
-    """Every graph a compiled generation of wfd.Decoder `dec` can meet: P, R and the read once for
+    """Every graph a compiled generation of wfd.Decoder `dec` can meet: P, R and C once for
     each number of key blocks a call can read (kv.KVCache.buckets), as a call whose furthest row
     reaches them; three calls each (on CUDA the first warms up and the second records the CUDA
     graph). Their writes land in the static cache, which every generation zeroes."""
@@ -53,10 +54,25 @@ def warm_up(dec):
         top = min(blocks * cache.block, cache.capacity) - 1
         if top < 1:  # position 0 is the prefill's
             continue
-        pos = torch.tensor([top] + [-1] * (dec.slots * dec.width - 1))
+        pos = torch.tensor([top] + [-1] * (dec.lanes - 1), device=model.device)
+        depth, ids = torch.zeros_like(pos), torch.zeros_like(pos)
+        call = model.to_device(pos, None, cache, True, top)
         for _ in range(3):
-            if model.args.inject:
-                ids = torch.zeros(dec.slots, dtype=torch.int64)
-                model.P(ids, pos[:dec.slots], cache, compiled=True)
-            model.R(dec.s, dec.e, pos, torch.zeros_like(pos), cache, compiled=True)
-            dec.read_call(model, dec.s, dec.e, model.to_device(pos, None, cache, True), dec.sampler)
+            dec.start_call(model, ids, call, dec.s, dec.e)
+            model.R(dec.s, dec.e, pos, depth, cache, compiled=True, top=top)
+            dec.read_call(model, dec.s, dec.e, call, dec.sampler, salt=dec.salt)
+
+
+def cuda_graph_counts(device):
+    """CUDA graphs re-recorded and skipped so far in this process (0 and inductor's skip count
+    off CUDA): cudagraph trees re-record a graph whose static inputs moved (a KV cache at a new
+    address, where it is not guarded), and inductor skips graphs it cannot take (they run
+    without CUDA graphs). Both must stay 0 while a compiled generation runs."""
+    skipped = counters["inductor"]["cudagraph_skips"]
+    if device.type != "cuda":
+        return 0, skipped
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    rerecorded = 0 if manager is None else sum(
+        n for per_node in manager.num_rerecord.values() for n in per_node.values())
+    return rerecorded, skipped

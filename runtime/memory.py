@@ -76,8 +76,8 @@ def static_cache(model, capacity, num_steps, window, slots=1):
         while len(caches) >= KEEP_STATIC_CACHES:
             del caches[next(iter(caches))]
         caches[key] = new_cache(model, capacity, num_steps, window, slots)
-        for t in caches[key].buffers():
-            torch._dynamo.mark_static_address(t)
+        for t in caches[key].buffers():  # guarded: a new address recompiles, never re-records
+            torch._dynamo.mark_static_address(t, guard=True)
     caches[key] = caches.pop(key)  # the latest last
     for t in caches[key].buffers():
         # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN

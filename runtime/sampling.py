@@ -58,14 +58,28 @@ def seed_key(seed):
             return key
 
 
-def gumbel(key, pos, vocab):
-    """Gumbel noise g(key, pos, v) [n, vocab], float64, on pos's device: a function of the three
-    integers alone, whichever batch a row comes in. key: seed_key(seed), an int or an
-    int64 tensor."""
+def uniforms(key, pos, n):
+    """Uniforms u(key, pos, i) in (0, 1) [len(pos), n], float64, on pos's device: a function of
+    the three integers alone (never 0 or 1), whichever batch or lane a row comes in. key: a 32-bit
+    key (seed_key), an int or an int64 tensor; pos: int64 [N]."""
     row = mix32(pos ^ key)  # positions are far below 2^32
-    h = mix32((row[:, None] + mix32(torch.arange(vocab, device=pos.device))) & M32)
-    u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1): never 0 or 1, so both logs are finite
-    return u.log_().neg_().log_().neg_()
+    h = mix32((row[:, None] + mix32(torch.arange(n, device=pos.device))) & M32)
+    return (h.double() + 0.5) * 2.0 ** -32
+
+
+def gumbel(key, pos, vocab):
+    """Gumbel noise g(key, pos, v) [n, vocab], float64: -log(-log(u)) of the uniforms."""
+    return uniforms(key, pos, vocab).log_().neg_().log_().neg_()
+
+
+PHI_MINUS_3 = 0.5 * math.erfc(3 / math.sqrt(2))  # the standard normal's CDF at -3
+
+
+def truncated_normal(key, pos, n):
+    """A standard normal cut at +-3 [len(pos), n], float64, from the uniforms of (key, pos, i) by
+    the inverse CDF: like uniforms, a function of the integers alone."""
+    u = PHI_MINUS_3 + uniforms(key, pos, n) * (1 - 2 * PHI_MINUS_3)
+    return torch.special.ndtri(u).clamp(-3, 3)
 
 
 def choose(logits, pos, sampling):

@@ -1,42 +1,65 @@
 #!/usr/bin/env bash
-# The GPU check in one command, sized for one lent device run: at most BUDGET_S seconds (default 540,
-# under the device tool's 10 minutes a command, its start-up aside). The steps run in order of what
-# matters most; each writes its results to RESULTS (default gpu_results/) as it completes, and a step
-# whose estimate no longer fits the time left is skipped (named on stderr), so a run cut short keeps
-# what it measured. Estimates at real size on an H200 (not yet measured: no GPU has been lent):
-#   1 tests      the quick decoding tests on cuda (WFD_TEST_DEVICE=cuda: eager decoding on SDPA's fused
-#                kernels, CUDA graphs taken, static KV buffers kept, compiled == AR)         ~180 s
-#   2 huginn     huginn-0125 config, random weights, bf16, emulated acceptance 0.94, AR and WFD,
-#                1 prompt of 8 tokens, 128 new tokens, eager (weights built on the GPU)      ~60 s
-#   3 ouro       the same for Ouro-2.6B at acceptance 0.92                                   ~60 s
-#   4 huginn-c   step 2 compiled: 6 graphs (P, R, read at widths 1 and 8), then timed        ~200 s
-#   5 ouro-c     step 3 compiled: 4 graphs, two of them the 48-layer R call                  ~300 s
-#   6 batch      the batch sweep (--batch-sizes 1,2,4,8) on huginn-0125, compiled, 8 prompts ~300 s
-#   7 parcae     parcae-1.3b, eager, acceptance 0.9                                          ~60 s
-# A compiled step fails when its timed runs compiled any graph (bench.py's graphs_compiled).
-#   scripts/gpu_check.sh               the steps above (STEPS="huginn ouro": those alone)
-#   scripts/gpu_check.sh --smoke       the bench steps on the CPU on the tiny golden configs, in
-#                                      seconds (the compiled one included): tests/test_bench.py
+# The GPU check in one command, sized for one lent device run: 15 minutes of device time in all,
+# the machine's start included, and at most 10 minutes a command, so this script keeps within
+# BUDGET_S seconds (default 540). The steps run in order of what a GPU run must tell first; each
+# writes its results to RESULTS (default gpu_results/) as it ends (RESULTS/steps.txt: one line per
+# step, its status and seconds), and a step whose estimate no longer fits the time left is skipped
+# (named on stderr), so a run cut short keeps what it measured. Random weights are drawn on the
+# GPU. Estimates on an H200 (not yet measured: no GPU has been lent), compiling included:
+#   tests     the cuda tests that matter, without -x: CUDA graphs taken and never re-recorded,
+#             static KV buffers kept, one blocking transfer per tick, compiled WFD == compiled AR
+#             across every key bucket, eager WFD == AR on SDPA's fused kernels            ~150 s
+#   huginn-c  huginn-0125 config, bf16, emulated acceptance 0.94, AR and WFD, 64 new tokens,
+#             compiled (CUDA graphs; fails when a timed run compiled or re-recorded a graph) ~110 s
+#   ouro-c    the same for Ouro-2.6B at acceptance 0.92 (its 48-layer R graph)            ~130 s
+#   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed)           ~35 s
+#   ouro      ouro-c eager (6,941 per R call)                                              ~45 s
+#   batch     the batch sweep (--batch-sizes 1,4) on huginn-0125, compiled, 32 tokens     ~50 s
+#   parcae    parcae-1.3b, compiled, acceptance 0.9                                        ~20 s
+#   paper     bench.py --paper, compiled, one prompt per category, 64 tokens, its answers kept, on
+#             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)   ~0 s
+#             without them, ~90 s each
+#   scripts/gpu_check.sh               the steps above (STEPS="huginn-c ouro-c": those alone)
+#   scripts/gpu_check.sh --smoke       every step small on the CPU, in seconds, and a check that
+#                                      the estimates above fit the budget (tests/test_bench.py)
 #   PYTHON=/path/to/python             the interpreter (default: python)
-#   PAPER_MODELS="DIR ..."             last, bench.py --paper --per-category 1 on those checkpoints
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the project
 PY=${PYTHON:-python}
 RESULTS=${RESULTS:-gpu_results}
+ALL="tests huginn-c ouro-c huginn ouro batch parcae paper"
+declare -A ESTIMATE=([tests]=150 [huginn-c]=110 [ouro-c]=130 [huginn]=35 [ouro]=45 [batch]=50
+                     [parcae]=20 [paper]=0)
 start=$SECONDS failed=0
+GPU_BUDGET_S=540
 if [ "${1:-}" = --smoke ]; then
+    total=0
+    for s in $ALL; do total=$((total + ESTIMATE[$s])); done
+    if [ "$total" -gt "$GPU_BUDGET_S" ]; then
+        echo "gpu_check: the steps' estimates sum to $total s, over the budget of $GPU_BUDGET_S s" >&2
+        exit 1
+    fi
+    echo "gpu_check: the steps' estimates sum to $total s of $GPU_BUDGET_S s" >&2
     BUDGET_S=${BUDGET_S:-100000}
     device=cpu new=6 huginn=tests/testdata/huginn_A/config.json ouro=tests/testdata/ouro_A/config.json
-    parcae=tests/testdata/parcae_A/config.json batches=1,2 steps=${STEPS:-huginn ouro huginn-c batch parcae}
+    parcae=tests/testdata/parcae_A/config.json batches=1,2 tests="tests/test_compile.py::test_compiled_schedules_compile_nothing_and_equal_compiled_ar"
+    steps=${STEPS:-huginn-c ouro-c huginn ouro batch parcae paper}
 else
-    device=cuda new=128 huginn=configs/huginn-0125.json ouro=configs/ouro-2.6b.json
-    parcae=configs/parcae-1.3b.json batches=1,2,4,8 steps=${STEPS:-tests huginn ouro huginn-c ouro-c batch parcae}
-    BUDGET_S=${BUDGET_S:-540}
+    BUDGET_S=${BUDGET_S:-$GPU_BUDGET_S}
+    device=cuda new=64 huginn=configs/huginn-0125.json ouro=configs/ouro-2.6b.json
+    parcae=configs/parcae-1.3b.json batches=1,4
+    tests="tests/test_compile.py::test_static_buffers_stay_and_cuda_graphs_are_taken
+           tests/test_compile.py::test_compiled_schedules_compile_nothing_and_equal_compiled_ar
+           tests/test_compile.py::test_compiled_wfd_equals_compiled_ar_across_every_key_bucket
+           tests/test_families.py::test_one_blocking_transfer_per_tick_on_every_family
+           test_wfd.py::test_eager_decoding_runs_on_fused_attention_kernels_alone
+           test_wfd.py::test_wfd_and_dtv_equal_ar_at_every_draft_depth"
+    steps=${STEPS:-$ALL}
 fi
 mkdir -p "$RESULTS"
 
-# step NAME ESTIMATE_S COMMAND...: runs COMMAND into RESULTS/NAME.txt if its estimate fits the time left;
-# status 0 when it ran and passed
+# step NAME ESTIMATE_S COMMAND...: runs COMMAND into RESULTS/NAME.txt if its estimate fits the
+# time left; status 0 when it ran and passed
 step() {
     local name=$1 estimate=$2
     shift 2
@@ -60,45 +83,51 @@ step() {
     fi
 }
 
-# bench NAME ESTIMATE_S CONFIG ACCEPTANCE [FLAGS...]: AR against WFD on a real config, random weights
+# bench NAME CONFIG ACCEPTANCE [FLAGS...]: AR against WFD on a real config, random weights
 bench() {
-    local name=$1 estimate=$2 config=$3 acceptance=$4
-    shift 4
-    step "$name" "$estimate" "$PY" bench.py --random-weights "$config" --acceptance "$acceptance" --device $device \
+    local name=$1 config=$2 acceptance=$3
+    shift 3
+    step "$name" "${ESTIMATE[$name]}" "$PY" bench.py --random-weights "$config" --acceptance "$acceptance" --device $device \
         --dtype bfloat16 --num-prompts 1 --prompt-len 8 --max-new-tokens $new --warmup 2 --methods ar,wfd \
         --out "$RESULTS/$name" "$@"
 }
 
-# fails when a timed run of a compiled step compiled a graph (its answers' stats)
-NO_COMPILING='
+# fails when a timed run of a compiled step compiled a graph or re-recorded or skipped a CUDA graph
+# (its answers' stats)
+NOTHING_COMPILED='
 import glob, json, sys
 answers = [json.loads(line) for path in glob.glob(sys.argv[1] + "/*.jsonl") for line in open(path)]
-compiled = sum(a["stats"]["graphs_compiled"] for a in answers)
-print(f"graphs compiled during the timed runs: {compiled} over {len(answers)} answers")
-sys.exit(compiled != 0 or not answers)'
+counts = {k: sum(a["stats"][k] for a in answers)
+          for k in ("graphs_compiled", "cuda_graphs_rerecorded", "cuda_graphs_skipped")}
+print(f"during the timed runs of {len(answers)} answers: {counts}")
+sys.exit(any(counts.values()) or not answers)'
+
+compiled() {  # compiled NAME CONFIG ACCEPTANCE [FLAGS...]: bench, compiled, then its check
+    local name=$1
+    bench "$@" --compile && step "$name-check" 5 "$PY" -c "$NOTHING_COMPILED" "$RESULTS/$name"
+}
 
 for s in $steps; do
     case $s in
-        tests) step tests 180 env WFD_TEST_DEVICE=cuda "$PY" -m pytest -q -x test_wfd.py \
-                   tests/test_sampling.py tests/test_compile.py tests/test_families.py ;;
-        huginn) bench huginn 60 "$huginn" 0.94 ;;
-        ouro) bench ouro 60 "$ouro" 0.92 ;;
-        huginn-c | ouro-c)
-            config=$([ $s = huginn-c ] && echo "$huginn" || echo "$ouro")
-            acceptance=$([ $s = huginn-c ] && echo 0.94 || echo 0.92)
-            bench $s $([ $s = huginn-c ] && echo 200 || echo 300) "$config" $acceptance --compile \
-                && step $s-check 5 "$PY" -c "$NO_COMPILING" "$RESULTS/$s" ;;
-        # the paper's batch curve: the same prompts (as many as the largest batch) through more and more slots
-        batch) bench batch 300 "$huginn" 0.94 --compile --num-prompts "${batches##*,}" --max-new-tokens $((new / 2)) \
-                   --batch-sizes $batches ;;
-        parcae) bench parcae 60 "$parcae" 0.9 ;;
+        # shellcheck disable=SC2086  # the test ids are words
+        tests) step tests "${ESTIMATE[tests]}" env WFD_TEST_DEVICE=$device "$PY" -m pytest -q \
+                   --runslow $tests ;;
+        huginn-c) compiled huginn-c "$huginn" 0.94 ;;
+        ouro-c) compiled ouro-c "$ouro" 0.92 ;;
+        huginn) bench huginn "$huginn" 0.94 --eager ;;
+        ouro) bench ouro "$ouro" 0.92 --eager ;;
+        # the paper's batch curve: the same prompts (as many as the largest batch) through more slots
+        batch) bench batch "$huginn" 0.94 --compile --num-prompts "${batches##*,}" \
+                   --max-new-tokens $((new / 2)) --batch-sizes $batches ;;
+        parcae) compiled parcae "$parcae" 0.9 ;;
+        paper)  # the paper's Spec-Bench protocol on real checkpoints, named by folder
+            for model in ${PAPER_MODELS:-}; do
+                step "paper-$(basename "$model")" 90 "$PY" bench.py --paper --model "$model" \
+                    --device $device --compile --per-category 1 --max-new-tokens $new \
+                    --out "$RESULTS/paper-$(basename "$model")"
+            done ;;
         *) echo "gpu_check: unknown step $s" >&2; failed=1 ;;
     esac
-done
-# the paper's Spec-Bench protocol (bench.py --paper), one prompt per category, on real checkpoints
-# named by folder (a GPU machine may reach no hub): PAPER_MODELS="path/Ouro-2.6B path/huginn-0125"
-for model in ${PAPER_MODELS:-}; do
-    step "paper-$(basename "$model")" 120 "$PY" bench.py --paper --model "$model" --device $device --per-category 1 --out ''
 done
 echo "gpu_check: done in $((SECONDS - start)) s; results in $RESULTS/" >&2
 exit $failed

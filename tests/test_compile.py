@@ -52,7 +52,8 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     tuple too) in a whole generation. On a CPU inductor skips the graphs themselves, so what a GPU
     adds (graph capture over the static KV buffers) is left to gpu_check.sh."""
     replays, replay = [], compiling.replay
-    monkeypatch.setattr(compiling, "replay", lambda *args: replays.append(1) or replay(*args))
+    monkeypatch.setattr(compiling, "replay",
+                        lambda *args, **kw: replays.append(1) or replay(*args, **kw))
     # no prelude: P stays eager, R and the read are graphed; 4 heads in 2 KV groups
     # (kv.block_attention's groups)
     model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE,
@@ -110,6 +111,8 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
         out = wfd.generate(model, prompt, 6, capacity=16, compile=True)
         assert len(out.tokens) == 6
+        # on a GPU the counts of cudagraph trees and inductor; on a CPU none are taken
+        assert out.stats["cuda_graphs_rerecorded"] == out.stats["cuda_graphs_skipped"] == 0
         (cache,) = memory.STATIC_CACHES[model].values()
         ptrs.append([t.data_ptr() for t in cache.buffers()])
     assert ptrs[0] == ptrs[1]
@@ -138,18 +141,19 @@ def test_compiled_batched_wfd_equals_compiled_batched_ar():
 
 def test_compiled_schedules_compile_nothing_and_equal_compiled_ar(monkeypatch):
     """The quick suite's compiled check: after wfd.compile_graphs, compiled AR, WFD and DtV at one
-    width give the same tokens and logits in bfloat16 across two key blocks and compile no graph
-    while decoding; without it, a generation compiles. The same with inf and NaN in the columns no
-    row can see, wrong drafts forced."""
+    width give the same tokens and logits in bfloat16 across 1, 2 and 4 key blocks (the calls of a
+    wave's rows cross from one bucket's graphs to the next at different ticks than AR's) and
+    compile no graph while decoding; without it, a generation compiles. The same with inf and NaN
+    in the columns no row can see, wrong drafts forced."""
     model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE,
                                init_seed=7)
-    prompt, n_new, width = [5, 6, 7], 13, 2  # positions up to 14 of 16: 1 and 2 key blocks of 8
+    prompt, n_new, width = [5, 6, 7], 27, 2  # positions up to 28 of 32: 1, 2, 4 key blocks of 8
     run = lambda method, n=n_new, **kw: wfd.generate(model, prompt, n, method=method, width=width,
-                                                     capacity=16, keep_logits=True,
+                                                     capacity=32, keep_logits=True,
                                                      compile=True, **kw)
     assert run("ar", 4).stats["graphs_compiled"] > 0  # one key block's graphs
     assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=width,
-                              capacity=16) > 0  # 2 blocks
+                              capacity=32) > 0  # 2 and 4 blocks
     ar = run("ar")
     for method, k in (("wfd", -(-model.num_steps // width)), ("dtv", 1), ("dtv", 2)):
         out = run(method, draft_steps=k, draft_len=1)
@@ -159,3 +163,21 @@ def test_compiled_schedules_compile_nothing_and_equal_compiled_ar(monkeypatch):
     V = model.args.vocab_size
     out = run("wfd", draft_steps=2, draft_hook=lambda pos, tok: (tok + pos % 2) % V)
     assert same_logits(out, ar) and out.stats["rejected"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_wfd_equals_compiled_ar_across_every_key_bucket():
+    """Compiled WFD against compiled AR at one width in bfloat16, over 1, 2, 4 and 8 key blocks
+    (the 2 -> 4 and 4 -> 8 crossings too), Huginn (P, R and C compiled), greedy with some drafts
+    forced wrong, and sampled."""
+    model = tiny_model("huginn", 2, torch.bfloat16)
+    T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [3, 1, 4], 60  # positions to 62
+    run = lambda method, k, **kw: wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+                                               width=T, capacity=64, keep_logits=True,
+                                               compile=True, **kw)
+    for sampling in (dict(), dict(temperature=0.8, seed=3)):
+        ar = run("ar", T, **sampling)
+        for k in (1, 2):
+            hook = lambda pos, tok: (tok + 1) % V if pos % 5 == 0 else tok
+            out = run("wfd", k, draft_hook=hook, **sampling)
+            assert same_logits(out, ar) and out.stats["graphs_compiled"] == 0, (k, sampling)

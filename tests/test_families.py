@@ -23,7 +23,7 @@ import wfd
 from formats import checkpoints, configs
 from layers import transformer
 from test_batch import check_against_batched_ar, prompts_for
-from test_wfd import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits
+from test_wfd import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits, tiny_model
 
 torch.set_num_threads(1)
 
@@ -680,3 +680,50 @@ def test_raven_b_layout(tmp_path, layout):
     rewrite_config(folder, "wfd_layout")
     n_keys = (8 if olmo2 else 6) * 5 + 4
     check_b_layout(built, folder, config, partial(raven_reference, olmo2=olmo2), n_keys)
+
+
+# -- every family: one blocking transfer per tick -------------------------------------------------
+
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae", "loopformer", "llama"])
+def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
+    """After the prefill a generation reads the device once per tick at most, the tokens its C
+    call chose (stats["host_syncs"] counts them), and makes no tensor of host data for the device
+    (on a GPU a blocking copy): every other read of a tensor's values (tolist, item, bool, ...)
+    and every torch.tensor after the prefill is counted here, on a CPU, and there are none.
+    Greedy and sampled, digested, one prompt and two batched, WFD and DtV."""
+    model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
+    T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
+    prefill, fetch = wfd.Decoder.prefill, wfd.fetch
+
+    def in_prefill(self, *args):
+        prefilling[0] = True
+        try:
+            return prefill(self, *args)
+        finally:
+            prefilling[0] = False
+    monkeypatch.setattr(wfd.Decoder, "prefill", in_prefill)
+    for name in HOST_READS:
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, method=method, name=name, **kw: (
+            reads.append(name) if not prefilling[0] else None) or method(t, *a, **kw))
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (
+        made.append(1) if not prefilling[0] else None) or tensor(*a, **kw))
+    fetched = []
+    monkeypatch.setattr(wfd, "fetch", lambda t: (
+        fetched.append(1) if not prefilling[0] else None) or fetch(t))
+    for prompts, method, sampling in (([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
+                                      ([5, 9], "dtv", dict(temperature=0.8, seed=1))):
+        del reads[:], made[:], fetched[:]
+        prefilling[0] = True
+        outs = wfd.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
+                            **sampling)
+        outs = outs if isinstance(outs, list) else [outs]
+        assert len(reads) == len(fetched) and not made, (kind, method, reads)
+        for out in outs:
+            ticks = out.stats["r_calls"] - T
+            assert 0 < out.stats["host_syncs"] <= ticks, (kind, method, out.stats)
+        assert len(fetched) <= max(out.stats["r_calls"] - T for out in outs) * len(outs)

@@ -11,7 +11,7 @@ import models
 import run
 import wfd
 from runtime import sampling
-from test_wfd import CASES, GOLDEN, quick, tiny_model
+from test_wfd import CASES, GOLDEN, exact, quick, tiny_model
 
 torch.set_num_threads(1)
 
@@ -185,15 +185,17 @@ def test_filters_never_emit_a_filtered_token():
                                                   ("huginn", 0, torch.float16),
                                                   ("parcae", 2, torch.float32)), ids=str)
 def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
+    """Every k, against sampled AR at the same width (tokens and logits); in float64 also the
+    tokens of AR at its own width."""
     model = tiny_model(kind, seed, dtype)
     s, prompt, n_new = settings(seed), [4, 5, 6, 7][:1 + seed], 24
     ar = wfd.generate(model, prompt, n_new, method="ar", **s)
     assert ar.stats["temperature"] == s["temperature"] and ar.stats["seed"] == s["seed"]
     for k in range(1, model.num_steps + 1):
         for method in ("wfd", "dtv"):
-            out = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
-                               draft_len=1 + k % 3, **s)
-            assert out.tokens == ar.tokens, (method, k)
+            out = exact(model, prompt, n_new, method, k, draft_len=1 + k % 3, **s)
+            if dtype == torch.float64:
+                assert out.tokens == ar.tokens, (method, k)
 
 
 @pytest.mark.parametrize("kind,seed", quick(CASES[::2], ("ouro", 2)))
