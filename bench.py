@@ -63,10 +63,13 @@ METHODS = {
     "wfd": ("wfd", "full", "wave", "WFD", "ar-wave"),
     "ar-shared": ("ar", "shared", "wave", "AR, shared KV", "ar-shared"),
     "wfd-shared": ("wfd", "shared", "wave", "WFD, shared KV", "ar-shared"),
+    # the second proposal (--second-depth): its width, and AR through the same calls
+    "ar-2": ("ar", "full", "second", "AR, second-proposal width", "ar-2"),
+    "wfd-2": ("wfd", "full", "second", "WFD, second proposal", "ar-2"),
 }
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 COLUMNS = ["method", "width", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
-           "R calls/token", "KV MiB", "identical", "AR match"]
+           "rescues", "R calls/token", "KV MiB", "identical", "AR match"]
 LEGEND = """\
 - tok/s: mean over prompts of new tokens / time, prefill included (wall clock, or the process's CPU
   time with --clock cpu); speedup: that mean divided by AR's, as Spec-Bench computes it. decode
@@ -76,8 +79,9 @@ LEGEND = """\
   one draft-then-verify cycle (its accepted drafts plus the correction or bonus). WFD verifies one
   position per R call and commits one token per verify, so it has no rounds; its "round" is a run of
   accepted drafts between restarts, about 1 / (1 - acceptance). AR: 1.
-- acceptance: accepted / verified drafts. R calls/token: sequential recurrences per token, prefill
-  included. KV MiB: the KV cache allocated, mean over prompts.
+- acceptance: accepted / verified drafts. rescues (the second proposal): verifies whose token a
+  sibling carried, the draft being wrong, over the verified. R calls/token: sequential
+  recurrences per token, prefill included. KV MiB: the KV cache allocated, mean over prompts.
 - width: rows per P/R/C call. identical: share of prompts whose tokens and logits equal the
   method's exact reference, AR at the same width (shared-KV runs: with the same sharing); 100% is
   required of every method. AR match: share of token positions equal to plain (1-row) AR's, which
@@ -93,27 +97,36 @@ def settings(name, args):
     """wfd.generate's settings for one of METHODS."""
     method, kv, width, _, _ = METHODS[name]
     return dict(method=method, kv=kv,
-                width=dict(wave=None, dtv=args.draft_len + 1).get(width, width),
+                width=dict(wave=None, second=None, dtv=args.draft_len + 1).get(width, width),
                 num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
                 capacity=args.capacity, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, compile=args.compile)
+                top_p=args.top_p, seed=args.seed, compile=args.compile,
+                second_depth=args.second_depth if width == "second" else None)
 
 
 def draft_emulator(model, prompt, name, args, ref):
     """One prompt's draft hook, and the drafts it let through (position -> the last draft for it,
     the one its verify compares). With args.acceptance, each draft becomes ref's token with that
     probability and a wrong token otherwise (ref: the reference run's tokens), from a stream seeded
-    by the prompt and the method: the same draws whether the prompt runs alone or in a batch."""
+    by the prompt and the method: the same draws whether the prompt runs alone or in a batch. With
+    args.second_acceptance B too, one uniform u per position decides both depths: the draft is
+    right where u < A, the second proposal where u < B, and wrong they carry the same wrong token
+    (a deeper read agrees with a shallow one more often than not)."""
     offset, vocab = len(prompt["ids"]), model.args.vocab_size
     rng = random.Random(f"{args.seed}/{prompt['question_id']}/{name}")
-    drafts = {}
+    drafts, draws = {}, {}
 
-    def hook(pos, token):
+    def hook(pos, token, depth=None):
         i = pos - offset
         # past ref's EOS: never committed
         if args.acceptance is not None and ref is not None and i < len(ref):
-            token = (ref[i] if rng.random() < args.acceptance
-                     else (ref[i] + rng.randrange(1, vocab)) % vocab)
+            if args.second_acceptance is None:
+                token = (ref[i] if rng.random() < args.acceptance
+                         else (ref[i] + rng.randrange(1, vocab)) % vocab)
+            else:
+                u, wrong = draws.setdefault(pos, (rng.random(), rng.randrange(1, vocab)))
+                right = u < (args.acceptance if depth is None else args.second_acceptance)
+                token = ref[i] if right else (ref[i] + wrong) % vocab
         drafts[pos] = token
         return token
     return hook, drafts
@@ -189,7 +202,8 @@ def summarize(recs):
     """recs: one result per prompt for one method -> the table's figures."""
     st = [r["stats"] for r in recs]
     tokens, accepted = sum(s["tokens"] for s in st), sum(s["accepted"] for s in st)
-    verified = accepted + sum(s["rejected"] for s in st)
+    rescued = sum(s.get("rescued", 0) for s in st)
+    verified = accepted + rescued + sum(s["rejected"] for s in st)
     # a batch's speed is its throughput: every token over the batched calls' time (a resumed run's
     # prompts come from more than one call)
     # per call: its time; the graphs it compiled
@@ -204,8 +218,13 @@ def summarize(recs):
     return dict(tok_s=tok_s, decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
                 per_round=tokens / (tokens - accepted),
                 acceptance=accepted / verified if verified else float("nan"),
+                rescues=(rescued / verified if verified and st[0].get("second_depth")
+                         else float("nan")),
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
+                r_per_decoded=(sum(s["r_calls"] - s["num_steps"] for s in st)
+                               / max(1, tokens - len(st))),
                 kv_mib=mean([s["kv_bytes"] / 2**20 for s in st]),
+                branch_kib=mean([s.get("branch_kv_bytes", 0) / 2**10 for s in st]),
                 identical=sum(r["identical"] for r in recs) / len(recs),
                 ar_match=mean([r["ar_match"] for r in recs]), width=st[0]["width"],
                 graphs=sum(graphs.values()))
@@ -225,7 +244,8 @@ def table(results, names, ids, compiled=False):
             METHODS[n][3], str(f["width"]), fmt(f["tok_s"], ".2f"),
             fmt(f["tok_s"] / ar["tok_s"], ".2f") + "x",
             fmt(f["decode_tok_s"] / ar["decode_tok_s"], ".2f") + "x", fmt(f["per_round"], ".2f"),
-            fmt(f["acceptance"], ".3f"), fmt(f["r_per_token"], ".2f"), fmt(f["kv_mib"], ".1f"),
+            fmt(f["acceptance"], ".3f"), fmt(f["rescues"], ".3f"), fmt(f["r_per_token"], ".2f"),
+            fmt(f["kv_mib"], ".1f"),
             f"{100 * f['identical']:.0f}%", f"{100 * f['ar_match']:.1f}%"]
             + [str(f["graphs"])] * compiled) + " |")
     return "\n".join(lines), figs
@@ -270,7 +290,8 @@ def cpu_name():
 # name: (the setting each point sets, a point's type); figures.AXES names them in the table and the
 # figure. The batch sweep's points are --batch-sizes.
 SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", int),
-          "length": ("prompt_len", int), "batch": ("batch_size", int)}
+          "length": ("prompt_len", int), "batch": ("batch_size", int),
+          "second-depth": ("second_depth", int)}
 
 def machine(device):
     """The GPU's name, or the CPU's model name as lscpu prints it."""
@@ -283,9 +304,12 @@ def sweep_points(model, args, prompts=None):
     batch holds at most the prompts given."""
     param, kind = SWEEPS[args.sweep]
     T = model.num_steps if args.steps is None else args.steps
+    k = checks.default_draft_steps(model, args.steps) if args.draft_steps is None else (
+        args.draft_steps)
     if args.points is None:
-        return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128]).get(
-            args.sweep, list(range(1, T + 1)))
+        return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128],
+                    **{"second-depth": list(range(k + 1, T))}).get(args.sweep,
+                                                                    list(range(1, T + 1)))
     flag = "--batch-sizes" if args.sweep == "batch" else f"--points for --sweep {args.sweep}"
     try:
         points = [kind(x) for x in args.points.split(",") if x.strip()]
@@ -293,7 +317,7 @@ def sweep_points(model, args, prompts=None):
         raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, "
                          f"not {args.points!r}") from None
     bounds = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1),
-                  batch=(1, len(prompts or ())))
+                  batch=(1, len(prompts or ())), **{"second-depth": (k + 1, T - 1)})
     low, high = bounds.get(args.sweep, (1, T))
     bad = [x for x in points if not low <= x <= high]
     if not points or bad:
@@ -357,8 +381,11 @@ def run_sweep(model, model_id, names, args, argv, log):
                 decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"],
                 r_calls_per_token=f["r_per_token"],
                 r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
-                tokens_per_round=f["per_round"], kv_mib=f["kv_mib"], identical=f["identical"],
-                measured_at_point=reused.get(n, (j,))[0])) for n, f in figs.items()})))
+                rescues=f["rescues"], tokens_per_round=f["per_round"], kv_mib=f["kv_mib"],
+                identical=f["identical"], measured_at_point=reused.get(n, (j,))[0],
+                **({} if n != "wfd-2" else dict(r_calls_formula=figures.second_proposal_calls(
+                    T, k, a.second_depth, f["acceptance"], f["rescues"]))),
+            )) for n, f in figs.items()})))
     again = None
     if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
         # AR's run served later points: one more run of it shows how far the machine's speed
@@ -480,6 +507,9 @@ def parse_args(argv=None):
                    "AR always runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float,
                    help="emulate draft acceptance A (seeded Bernoulli stream)")
+    p.add_argument("--second-acceptance", type=float, metavar="B", help="with --acceptance and "
+                   "--second-depth: the second proposal right with probability B >= A, coupled "
+                   "with the draft (one uniform per position decides both)")
     p.add_argument("--warmup", type=int, default=8, help="tokens of the warm-up run of each method "
                    "(0: none; with --compile at least 2, which it takes to compile)")
     p.add_argument("--capacity", type=int, help="KV cache positions (default: prompt + new tokens, "
@@ -503,11 +533,12 @@ def parse_args(argv=None):
                    "prompt); default: one prompt at a time")
     p.add_argument("--sweep", choices=[n for n in SWEEPS if n != "batch"], help="run every method "
                    "at each point of a sweep and print one row per point: emulated acceptance, "
-                   "draft depth k, prompt length")
+                   "draft depth k, prompt length, the second proposal's depth m")
     p.add_argument("--batch-sizes", metavar="B1,B2,...", help="the batch sweep: every method at "
                    "each batch size (on the same prompts), one row per batch size")
     p.add_argument("--points", help="the sweep's points, comma-separated (default: acceptance "
-                   "0.5,0.7,0.8,0.9,0.95,1.0; draft depth 1..T; prompt length 16,32,64,128)")
+                   "0.5,0.7,0.8,0.9,0.95,1.0; draft depth 1..T; prompt length 16,32,64,128; "
+                   "second depth k+1..T-1)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the sweep "
                    f"({figures.PIXELS[0]}x{figures.PIXELS[1]} pixels; needs matplotlib)")
     p.add_argument("--host-time", action="store_true", help="time the host's work per tick of AR "
@@ -774,6 +805,16 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               f"{a:.3f}; WFD reaches {wave['tok_s'] / ar['tok_s'] / ideal(a):.2f} of it (decoding "
               f"alone: {wave['decode_tok_s'] / ar['decode_tok_s'] / ideal(a):.2f}); R-call ratio "
               f"measured: {ar['r_per_token'] / wave['r_per_token']:.2f}x")
+    if "wfd-2" in figs and not math.isnan(figs["wfd-2"]["acceptance"]):
+        two, m = figs["wfd-2"], args.second_depth
+        a, r = two["acceptance"], two["rescues"]
+        calls = figures.second_proposal_calls(T, k, m, a, r)
+        print(f"\nSecond proposal at m={m}: {two['r_per_token']:.2f} R calls per token measured "
+              f"(prefill included; {two['r_per_decoded']:.2f} per token after the first, the "
+              f"prefill aside), {calls:.2f} by a*k + r*m + (1-a-r)*T at the measured "
+              f"acceptance a={a:.3f} and rescues r={r:.3f} (an ideal speedup of "
+              f"{T / calls:.2f}x); WFD-2 at {two['tok_s'] / ar['tok_s']:.2f}x AR; its branch "
+              f"columns: {two['branch_kib']:.1f} KiB of its {two['kv_mib']:.1f} MiB of KV")
     if args.compile:
         graphs = sum(f["graphs"] for f in figs.values())
         print(f"\nGraphs compiled during the timed runs: {graphs}" + (
@@ -892,6 +933,10 @@ def main(argv=None):
                    threads=1, max_prompt_tokens=1, batch_size=1)
     if args.acceptance is not None and not 0 <= args.acceptance <= 1:
         raise ValueError(f"--acceptance is a probability, in 0..1, not {args.acceptance}")
+    if args.second_acceptance is not None and (
+            args.acceptance is None or not args.acceptance <= args.second_acceptance <= 1):
+        raise ValueError("--second-acceptance B needs --acceptance A, and A <= B <= 1 (a deeper "
+                         f"read is right at least as often), not {args.second_acceptance}")
     check_sweep_args(args)
     if args.resume and (not args.out or args.sweep or args.plot_from):
         raise ValueError("--resume continues the answer files of a run: it needs --out, and "
@@ -902,8 +947,9 @@ def main(argv=None):
         figures.plot(sweep, args.plot)
         log(f"figure: {args.plot}")
         return None
+    second = args.second_depth is not None or args.sweep == "second-depth"
     names = ([n.strip() for n in args.methods.split(",") if n.strip()]
-             + (["wfd"] if args.sweep else []))
+             + (["wfd"] if args.sweep else []) + (["wfd-2"] if second else []))
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")

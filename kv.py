@@ -13,11 +13,13 @@ writes its own sequence only, and a slot's next prompt overwrites what it reads.
 A call reads the keys in blocks of BLOCK columns, each with the same shapes in every call, and only
 the blocks some row of the call can see (`span`), so attention costs what the rows read, not the
 capacity; a row's result depends on its own keys only (`attend_blocks`). One column past the blocks,
-the scratch column, takes the writes of idle lanes (position -1); no block holds it.
+the scratch column, takes the writes of idle lanes (position -1); no block holds it. The wavefront's
+second proposal adds branch columns after it, for the keys of a second row at a position
+(`Branches`, docs/siblings.md).
 """
 import copy
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +30,12 @@ BLOCK = 256  # keys per attention block: a GPU's split-KV tile, and enough for a
 @dataclass
 class Step:
     """What one P / R / C call's attention needs at every layer, built once per call (prepare)."""
-    col: torch.Tensor     # [N] the column each row writes: its position, or scratch for idle lanes
+    col: torch.Tensor     # [N] the column each row writes: its position, its branch column (a
+                          # second row at a position), or scratch for idle lanes
+    at: torch.Tensor      # [N] its position, or scratch for idle lanes (which see every key)
     span: int             # key blocks the call reads; 0: the prefill, causal among its own rows
-    blocks: list          # per key block read: (k, v of every buffer row, its Mask)
+    blocks: list          # per key block read: (k, v, its Mask, how to read it): k, v the block's
+                          # view of the buffers (read)
     depth: torch.Tensor   # [N] each row's depth (0 in a call without looped layers)
     first: torch.Tensor   # [N] each row's sequence's first buffer row
     looped: torch.Tensor  # [N] first + depth * n_core: its row of looped layer 0 (layer j: + j)
@@ -38,16 +43,22 @@ class Step:
 
 
 class KVCache:
-    def __init__(self, model, capacity, num_steps=None, per_depth=True, device=None, batch=1):
+    """branches: columns past the scratch one, per sequence, for the keys of second rows at a
+    position (the wavefront's second proposal, docs/siblings.md): a row there writes its branch's
+    column, the rows built on it read that column for its position (prepare's redirects), and when
+    it retires having won, its keys move to its position's column (settle)."""
+
+    def __init__(self, model, capacity, num_steps=None, per_depth=True, device=None, batch=1,
+                 branches=0):
         a = model.args
-        self.device, self.batch = device or model.device, batch
+        self.device, self.batch, self.branches = device or model.device, batch, branches
         self.n_core, self.num_steps = a.n_core, num_steps or model.num_steps
         self.capacity, self.block = capacity, min(BLOCK, capacity)  # a small cache: one block
         self.scratch = -(-capacity // self.block) * self.block  # where the blocks end
         # a sequence's slots: looped layer j at depth d is d * n_core + j; prelude and coda after
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
         self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
-        shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1, a.head_dim)
+        shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1 + branches, a.head_dim)
         self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
@@ -83,26 +94,43 @@ class KVCache:
         n = self.scratch // self.block
         return [1 << i for i in range((n - 1).bit_length())] + [n]
 
-    def prepare(self, pos, depth, span, sums=False):
+    def prepare(self, pos, depth, span, sums=False, branches=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
-        idle lanes; depth int64 [N], or an int for every row, or None (no looped layer)."""
+        idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
+        the call's Branches, or None."""
         n = pos.shape[0]
         if n % self.batch:
             raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
-        col = torch.where(pos < 0, self.scratch, pos)
+        at = torch.where(pos < 0, self.scratch, pos)
+        col = at if branches is None else torch.where(branches.branch >= 0,
+                                                      self.scratch + 1 + branches.branch, at)
         if not torch.is_tensor(depth):
             depth = torch.full_like(pos, depth or 0)
         first = torch.arange(n, device=pos.device) // (n // self.batch) * self.seq_slots  # lane i's
         looped = torch.add(first, depth, alpha=self.n_core)
-        return Step(col, span, self.key_blocks(col[:, None], span), depth, first, looped, sums)
+        blocks = self.key_blocks(at[:, None], span, branches=branches)
+        return Step(col, at, span, blocks, depth, first, looped, sums)
 
-    def key_blocks(self, last, span, buffers=None):
-        """The blocks a call reads, (k, v, Mask): a key is visible to a row up to the column `last`
-        [N, 1] (idle lanes, col scratch, see all, and are dropped)."""
+    def key_blocks(self, last, span, buffers=None, branches=None):
+        """The blocks a call reads, (k, v, Mask, redirected): a key is visible to a row up to the
+        column `last` [N, 1] (idle lanes, col scratch, see all, and are dropped). With branches,
+        the blocks that may hold a redirected position come with how to read them (read):
+        eager, from branches.gather on, cols [N, B], each row's column for each position of the
+        block (its own, or for a redirected one its branch's); compiled, every block, a Patch."""
         (k, v), n = buffers or (self.k, self.v), self.block
         visible = torch.arange(span * n, device=last.device)[None] <= last
-        return [(k.narrow(2, lo, n), v.narrow(2, lo, n), mask(visible[:, lo:lo + n], k.dtype))
-                for lo in range(0, span * n, n)]
+        blocks = []
+        for b, lo in enumerate(range(0, span * n, n)):
+            seen, how, wide = mask(visible[:, lo:lo + n], k.dtype), None, 0
+            if branches is not None and branches.gather is None:  # and a spare column (read)
+                inside = (branches.q >= lo) & (branches.q < lo + n)
+                how, wide = Patch(torch.where(inside, branches.q - lo, n),
+                                  self.scratch + 1 + branches.j), 1
+            elif branches is not None and b >= branches.gather:
+                cols = torch.arange(lo, lo + n, device=last.device).expand(len(last), n)
+                how = redirect(cols, cols, branches, self.scratch + 1)
+            blocks.append((k.narrow(2, lo, n + wide), v.narrow(2, lo, n + wide), seen, how))
+        return blocks
 
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
@@ -112,8 +140,63 @@ class KVCache:
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # one index_put each
         if step.span == 0:
             return causal_attention(q, k, v)
-        return attend_blocks(q, [(bk.index_select(0, rows), bv.index_select(0, rows), seen)
-                                 for bk, bv, seen in step.blocks], step.sums)
+        return attend_blocks(q, [(read(bk, self.k, rows, how), read(bv, self.v, rows, how), seen)
+                                 for bk, bv, seen, how in step.blocks], step.sums)
+
+    def settle(self, slot, branch, pos):
+        """A second row that won its position, retiring: its keys and values, in every slot of its
+        sequence, from its branch's column to its position's, where the rows after it read
+        them."""
+        rows = slice(slot * self.seq_slots, (slot + 1) * self.seq_slots)
+        for t in (self.k, self.v):
+            t[rows, :, pos] = t[rows, :, self.scratch + 1 + branch]
+
+
+class Branches(NamedTuple):
+    """What a call's rows need of the branch columns (the second proposal), on the device: each
+    row's branch [N] (-1: none, it writes its position's column), and its redirects q, j [N, R]:
+    the positions q (-1: none) whose keys it reads from branch j's column, its own and its
+    ancestors' in flight; gather: the first key block holding any q, from which the blocks are
+    gathered column by column (eager), or None: every block patched (compiled, so that one graph
+    serves every call)."""
+    branch: torch.Tensor
+    q: torch.Tensor
+    j: torch.Tensor
+    gather: Optional[int]
+
+
+class Patch(NamedTuple):
+    """How compiled decoding reads a block with branches: the block as it lies, and one column
+    more, a spare; each row's redirected positions then written over with their branch columns'
+    keys. at [N, R]: the block's column of row n's redirect r (B, the spare, for one outside the
+    block or none); cols [N, R]: the branch columns."""
+    at: torch.Tensor
+    cols: torch.Tensor
+
+
+def redirect(cols, positions, branches, base):
+    """cols [N, B], the columns of the positions [N, B], with each row's redirected positions read
+    from the column base + j of their branch instead."""
+    for r in range(branches.q.shape[1]):
+        cols = torch.where(positions == branches.q[:, r, None], base + branches.j[:, r, None],
+                           cols)
+    return cols
+
+
+def read(block, buffer, rows, how):
+    """Each row's keys (or values) of a block: block [S, Hkv, B, hd] is the block's view of the
+    whole buffer (with a Patch, B + 1 columns), rows [N] each row's buffer row; how
+    (key_blocks): None, the block as it lies; cols [N, B], each row's columns of the buffer, laid
+    out as index_select lays them out (contiguous, so that the attention computes the same bits);
+    a Patch. [N, Hkv, B, hd]."""
+    if how is None:
+        return block.index_select(0, rows)
+    if torch.is_tensor(how):
+        return buffer[rows[:, None], :, how].transpose(1, 2).contiguous()
+    out = block.index_select(0, rows)  # [N, Hkv, B + 1, hd]: the last column a spare
+    lane = torch.arange(len(rows), device=rows.device)[:, None]
+    out[lane, :, how.at] = buffer[rows[:, None], :, how.cols]  # [N, R, Hkv, hd]; no two alike
+    return out[:, :, :-1]  # but in the spare
 
 
 def causal_attention(q, k, v):
@@ -182,18 +265,19 @@ def attend_blocks(q, blocks, sums=False):
     """q [N, H, hd] against a list of blocks (k, v, Mask: see block_attention), merged by their
     log-sum-exps in a fixed order. Why a row's result does not depend on the other rows of its call:
     every block has the same shapes in every call, and a block the row cannot see has lse -inf, so
-    its weight exp(lse - total) is exactly 0 (its output, NaN for an empty softmax, is dropped), and
-    logaddexp(total, -inf) is exactly total: the row gets the bits of a call of its own blocks only.
-    One block needs no merge: its weight would be exp(0) = 1."""
+    its weight, exp(-inf - max) in the softmax over the blocks, is exactly 0 (its output, NaN for an
+    empty softmax, is dropped), and it adds exactly 0 to the softmax's sum: the row gets the bits
+    of a call of its own blocks only. One block needs no merge: its weight would be 1."""
     if len(blocks) == 1:
         return block_attention(q, *blocks[0], need_lse=False, sums=sums)[0]
     outs = [block_attention(q, k, v, seen, need_lse=True, sums=sums) for k, v, seen in blocks]
-    total = outs[0][1]
-    for _, lse in outs[1:]:
-        total = torch.logaddexp(total, lse)
+    # the blocks' weights exp(lse_b - logsumexp_b lse_b) as a softmax over the blocks: a kernel
+    # that computes each (row, head) alone, where logaddexp and a flat exp would take a row in the
+    # last lanes of the call through another code path (docs/exactness.md)
+    weights = torch.stack([lse for _, lse in outs], -1).softmax(-1)  # [N, H, blocks]
     y = 0
-    for o, lse in outs:
-        w = (lse - total).exp()[..., None]  # [N, H, 1]
+    for b, (o, _) in enumerate(outs):
+        w = weights[..., b, None]  # [N, H, 1]
         y = y + torch.where(w > 0, o.to(w.dtype), 0) * w
     return y.to(q.dtype)
 
@@ -206,42 +290,54 @@ class SharedStep(Step):
     final_col: torch.Tensor = None   # [N] each row's final-depth column (at depth T - 1; scratch)
     window_col: torch.Tensor = None  # [N, window] the ring entries of positions p - window < q <= p
     window_seen: Mask = None         # which of them are positions (>= 0)
-    older: list = ()                 # (k, v, Mask) of the final-depth keys up to p - window
+    older: list = ()                 # (k, v, Mask, cols) of the final-depth keys up to p - window
 
 
 class SharedKVCache(KVCache):
     """Cross-recurrence KV sharing that stays exact with respect to its own AR (docs/shared-kv.md):
     after the prompt, a row at position p and depth d reads the depth-d KV of positions p - window
-    < q <= p, from a ring of max(window, 2 * window - 2) entries, and the final-depth KV of every
-    older position. Prelude and coda layers keep a slot each, as in KVCache."""
+    < q <= p, from a ring of max(window, 2 * window - 2) entries (with branches, the rows in flight
+    may reach `branches` positions: max(window, branches + window - 2)), and the final-depth KV of
+    every older position. Prelude and coda layers keep a slot each, as in KVCache. A second row at
+    a position has ring entries of its branch past the ring's scratch entry; only a row that won
+    its position reaches the final depth, which it writes at its position."""
 
-    def __init__(self, model, capacity, num_steps, window, device=None, batch=1):
-        super().__init__(model, capacity, num_steps, per_depth=False, device=device, batch=batch)
+    def __init__(self, model, capacity, num_steps, window, device=None, batch=1, branches=0):
+        super().__init__(model, capacity, num_steps, per_depth=False, device=device, batch=batch,
+                         branches=branches)
         a = model.args
         self.window = window
-        self.ring = min(max(window, 2 * window - 2), capacity)
+        self.ring = min(max(window, 2 * window - 2, branches + window - 2), capacity)
         # one first dimension, as in KVCache: final row of (sequence s, layer j) s * n_core + j;
         # ring row of (s, depth d, j) (s * T + d) * n_core + j; each ring row with a scratch entry
+        # and the branches' entries
         final = (batch * a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
-        ring = (batch * self.num_steps * a.n_core, a.n_kv_heads, self.ring + 1, a.head_dim)
+        ring = (batch * self.num_steps * a.n_core, a.n_kv_heads, self.ring + 1 + branches,
+                a.head_dim)
         self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
         self.final_v = torch.zeros_like(self.final_k)
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
 
-    def prepare(self, pos, depth, span, sums=False):
-        step = super().prepare(pos, depth, span, sums)
-        col, idle = step.col, step.col == self.scratch
-        ring_col = torch.where(idle, self.ring, col % self.ring)
+    def prepare(self, pos, depth, span, sums=False, branches=None):
+        step = super().prepare(pos, depth, span, sums, branches)
+        at, idle = step.at, step.at == self.scratch
+        ring_col = torch.where(idle, self.ring, at % self.ring)
+        if branches is not None:
+            ring_col = torch.where(branches.branch >= 0, self.ring + 1 + branches.branch,
+                                   ring_col)
         if span == 0:  # the prefill: the ring keeps the latest positions, the older go to scratch
-            ring_col = torch.where(col < len(col) - self.ring, self.ring, ring_col)
-        window = col[:, None] + torch.arange(1 - self.window, 1, device=col.device)  # [N, window]
-        final_col = torch.where(step.depth == self.num_steps - 1, col, self.scratch)
+            ring_col = torch.where(at < len(at) - self.ring, self.ring, ring_col)
+        window = at[:, None] + torch.arange(1 - self.window, 1, device=at.device)  # [N, window]
+        window_col = window % self.ring
+        if branches is not None:
+            window_col = redirect(window_col, window, branches, self.ring + 1)
+        final_col = torch.where(step.depth == self.num_steps - 1, at, self.scratch)
         older = self.key_blocks(window[:, :1] - 1, span, (self.final_k, self.final_v))  # p - W
-        seq = torch.arange(len(col), device=col.device) // (len(col) // self.batch)
+        seq = torch.arange(len(at), device=at.device) // (len(at) // self.batch)
         return SharedStep(**vars(step), seq=seq, ring_col=ring_col, final_col=final_col,
-                          window_col=window % self.ring,
-                          window_seen=mask(window >= 0, self.k.dtype), older=older)
+                          window_col=window_col, window_seen=mask(window >= 0, self.k.dtype),
+                          older=older)
 
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:
@@ -257,18 +353,26 @@ class SharedKVCache(KVCache):
         # the older final-depth blocks
         ring = lambda t: t[ring_row[:, None], :, step.window_col].transpose(1, 2)  # [N, Hkv, W, hd]
         older = [(bk.index_select(0, final_row), bv.index_select(0, final_row), seen)
-                 for bk, bv, seen in step.older]
+                 for bk, bv, seen, _ in step.older]
         window = (ring(self.ring_k), ring(self.ring_v), step.window_seen)
         return attend_blocks(q, [window] + older, step.sums)
 
+    def settle(self, slot, branch, pos):
+        super().settle(slot, branch, pos)  # prelude and coda
+        per_sequence = self.num_steps * self.n_core
+        rows = slice(slot * per_sequence, (slot + 1) * per_sequence)
+        for t in (self.ring_k, self.ring_v):
+            t[rows, :, pos % self.ring] = t[rows, :, self.ring + 1 + branch]
 
-def cache_bytes(model, capacity, num_steps, window=None, batch=1):
+
+def cache_bytes(model, capacity, num_steps, window=None, batch=1, branches=0):
     """The bytes make_cache would allocate, from its buffers built on the meta device."""
-    return make_cache(model, capacity, num_steps, window, device="meta", batch=batch).nbytes
+    return make_cache(model, capacity, num_steps, window, "meta", batch, branches).nbytes
 
 
-def make_cache(model, capacity, num_steps, window=None, device=None, batch=1):
+def make_cache(model, capacity, num_steps, window=None, device=None, batch=1, branches=0):
     """A full per-depth cache, or with a window the shared one (on the model's device by default),
-    for `batch` sequences of `capacity` positions each."""
-    return (KVCache(model, capacity, num_steps, device=device, batch=batch) if window is None else
-            SharedKVCache(model, capacity, num_steps, window, device, batch))
+    for `batch` sequences of `capacity` positions each, and `branches` branch columns each."""
+    if window is None:
+        return KVCache(model, capacity, num_steps, device=device, batch=batch, branches=branches)
+    return SharedKVCache(model, capacity, num_steps, window, device, batch, branches)

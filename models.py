@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from formats import checkpoints, configs
-from kv import KVCache, causal_attention
+from kv import Branches, KVCache, causal_attention
 from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_table
 from runtime import compiling, memory, sampling
 
@@ -106,14 +106,16 @@ class ModelArgs:
 class Call(NamedTuple):
     """A P / R / C call's inputs besides the rows' data, on the device: the rows' positions (-1: an
     idle lane) and depths, the KV cache (None: causal over 0..N-1) and the key blocks its attention
-    reads (kv.KVCache.span), whether it runs compiled, and LoopFormer's clock: every block's
-    modulation at each depth of the schedule the rows follow (LoopedLM.clock_table)."""
+    reads (kv.KVCache.span), whether it runs compiled, LoopFormer's clock: every block's
+    modulation at each depth of the schedule the rows follow (LoopedLM.clock_table), and with the
+    second proposal what its rows read of the branch columns (kv.Branches)."""
     pos: torch.Tensor
     depth: Optional[torch.Tensor]
     cache: Optional[KVCache]
     span: Optional[int]
     compiled: bool = False
     clock: Optional[torch.Tensor] = None
+    branches: Optional[Branches] = None
 
 
 class LoopedLM(nn.Module):
@@ -184,11 +186,13 @@ class LoopedLM(nn.Module):
         return self.p_body(ids if top is not None else ids.to(self.device),
                            self.to_device(pos, None, cache, compiled, top))
 
-    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None):
+    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None,
+          branches=None):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
-        (default: the cache's, else the model's), which LoopFormer's clock runs on."""
-        call = self.to_device(pos, depth, cache, compiled, top)
+        (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
+        the rows read of the branch columns (kv.Branches; the Decoder's second proposal)."""
+        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches)
         if self.clock is not None:
             T = num_steps or (self.num_steps if cache is None else cache.num_steps)
             call = call._replace(clock=self.clock_table(T))
@@ -272,7 +276,7 @@ class LoopedLM(nn.Module):
         cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
         cache = call.cache
         step = None if cache is None else cache.prepare(call.pos, call.depth, call.span,
-                                                        call.compiled)
+                                                        call.compiled, call.branches)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             x = blk(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])

@@ -65,9 +65,9 @@ def compile_runs(model, prompts, runs, settings, args, batch_size=None):
     longest = max(map(len, prompts)) if isinstance(prompts[0], list) else len(prompts)
     settings["capacity"] = longest + args.max_new_tokens - 1
     t0, graphs = time.perf_counter(), 0
-    for _, method, width in runs:
+    for _, method, width, second in runs:
         graphs += wfd.compile_graphs(model, prompts, args.max_new_tokens, method=method,
-                                     width=width, batch_size=batch_size,
+                                     width=width, batch_size=batch_size, second_depth=second,
                                      digest_logits=len(runs) > 1, **settings)
     print(compiling_line(graphs, time.perf_counter() - t0, model.device), file=sys.stderr)
 
@@ -79,15 +79,17 @@ def decode_file(args, model, method, width, settings):
     for n, prompt in zip(lines, prompts):  # a prompt's mistake named by its line, before any output
         try:
             checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width,
-                              eos_token_id=eos, **settings)
+                              eos_token_id=eos, second_depth=args.second_depth, **settings)
         except ValueError as err:
             raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
     checks.check_args(model, prompts, args.max_new_tokens, method=method, width=width,
-                      eos_token_id=eos, batch_size=args.batch_size, **settings)
+                      eos_token_id=eos, batch_size=args.batch_size,
+                      second_depth=args.second_depth, **settings)
     # as generate's
     slots, tok = min(args.batch_size or len(prompts), len(prompts)), model.tokenizer
     if args.compile:
-        compile_runs(model, prompts, [(method, method, width)], settings, args, args.batch_size)
+        compile_runs(model, prompts, [(method, method, width, args.second_depth)], settings, args,
+                     args.batch_size)
 
     def finish(i, out):
         if args.json:
@@ -99,7 +101,8 @@ def decode_file(args, model, method, width, settings):
 
     t0 = time.perf_counter()
     outs = wfd.generate(model, prompts, args.max_new_tokens, method=method, width=width,
-                        eos_token_id=eos, batch_size=args.batch_size, on_finish=finish, **settings)
+                        eos_token_id=eos, batch_size=args.batch_size, on_finish=finish,
+                        second_depth=args.second_depth, **settings)
     wall, tokens = time.perf_counter() - t0, sum(len(out.tokens) for out in outs)
     if not args.json:
         print(f"[{method}] {len(prompts)} prompts through {slots} slots: {tokens} tokens in "
@@ -138,29 +141,30 @@ def main(argv=None):
     if args.prompts_file is not None:
         return decode_file(args, model, args.method, args.width, settings)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
-    # (name, method, width); all: plain AR (the speed baseline), and each schedule after AR at its
-    # width, its exact reference
-    runs = ([("ar1", "ar", 1), ("ar", "ar", args.width), ("wfd", "wfd", args.width),
-             ("ar-dtv", "ar", args.draft_len + 1), ("dtv", "dtv", None)] if args.method == "all"
-            else [(args.method, args.method, args.width)])
+    # (name, method, width, second depth); all: plain AR (the speed baseline), and each schedule
+    # after AR at its width (and second depth), its exact reference
+    m = args.second_depth
+    runs = ([("ar1", "ar", 1, None), ("ar", "ar", args.width, m), ("wfd", "wfd", args.width, m),
+             ("ar-dtv", "ar", args.draft_len + 1, None), ("dtv", "dtv", None, None)]
+            if args.method == "all" else [(args.method, args.method, args.width, m)])
     if args.kv == "shared" and args.method == "all":
         runs = runs[:3]
         print("note: skipping dtv, which cannot share KV exactly (its verify pass writes "
               "final-depth KV of positions it may reject)", file=sys.stderr)
-    for _, method, width in runs:  # every input error out before the first line of output
+    for _, method, width, second in runs:  # every input error out before the first line of output
         checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width,
-                          eos_token_id=eos, **settings)
+                          eos_token_id=eos, second_depth=second, **settings)
     if args.compile:
         compile_runs(model, prompt, runs, settings, args)
     stream = not args.json and len(runs) == 1 and tok is not None
     results = {}
-    for name, method, width in runs:
+    for name, method, width, second in runs:
         text = (TextStream(tok, prompt, checks.stop_ids(eos, model.args.vocab_size)) if stream
                 else None)
         trace = [] if args.show_wavefront and method == "wfd" else None
         out = wfd.generate(model, prompt, args.max_new_tokens, method=method, width=width,
                            eos_token_id=eos, on_token=text.add if text else None, trace=trace,
-                           digest_logits=len(runs) > 1, **settings)
+                           digest_logits=len(runs) > 1, second_depth=second, **settings)
         results[name] = out
         stats = out.stats
         if args.json:
@@ -174,7 +178,7 @@ def main(argv=None):
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str
             print(draw_wavefront(trace, out.tokens, len(prompt), stats["num_steps"],
-                                 stats["draft_steps"], label))
+                                 stats["draft_steps"], label, second_depth=second))
     if len(runs) > 1 and not args.json:
         same = lambda a, b: (a.tokens == b.tokens
                              and a.stats["logits_digest"] == b.stats["logits_digest"])

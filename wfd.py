@@ -1,6 +1,7 @@
-"""Decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD).
+"""Decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD),
+with or without its second proposal (wavefront_siblings).
 
-All three give AR's tokens, greedy or sampled (`choose`). They differ in how they schedule rows, a
+All of them give AR's tokens, greedy or sampled (`choose`). They differ in how they schedule rows, a
 row being one token position at one depth, through the model's three calls P (start a row), R
 (advance rows by one recurrence) and C (read a token out of a row). A schedule is a generator over
 one Sequence that yields the calls it needs; the Decoder runs the calls of all its sequences
@@ -15,6 +16,8 @@ from typing import Callable, Generator, NamedTuple, Union
 import torch
 from torch._dynamo.utils import counters
 
+from kv import Branches, cache_bytes
+
 from runtime import checks, compiling, memory
 from runtime.sampling import M32, Sampling, choose, mix32, seed_key
 from runtime.transfers import Staging, fetch
@@ -22,12 +25,27 @@ from runtime.transfers import Staging, fetch
 
 # -- what a schedule works with --------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     pos: int                 # the position this row computes (its token sits there)
     token: int
     depth: int = 0           # completed recurrences; the state itself lives in its lane
     lane: int = None         # the lane that holds its state, given by its P call (Decoder.start)
+    # the second proposal (wavefront_siblings): the row it was proposed from, while that is in
+    # flight, the rows proposed from it, and the branch whose columns hold its keys when it is the
+    # second row at its position (Decoder.start; None: its position's own)
+    parent: "Row" = None
+    children: list = field(default_factory=list)
+    branch: int = None
+
+    def redirects(self):
+        """(position, branch) of this row and of its ancestors in flight whose keys lie in a
+        branch: where it reads those positions' keys."""
+        row = self
+        while row is not None:
+            if row.branch is not None:
+                yield row.pos, row.branch
+            row = row.parent
 
 
 @dataclass
@@ -62,45 +80,73 @@ class Sequence:
     """One prompt in flight: its committed tokens, counters and schedule state, and the schedule's
     verbs start / draft / verify / commit."""
 
-    def __init__(self, index, prompt, max_new_tokens, num_steps, *, key, stop, batched,
+    def __init__(self, index, prompt, max_new_tokens, num_steps, *, key, stop, batched, width,
                  draft_hook=None, on_token=None, trace=None, keep_logits=False,
                  digest_logits=False):
         self.index, self.prompt, self.max_new_tokens = index, prompt, max_new_tokens
         self.num_steps, self.key, self.stop, self.batched = num_steps, key, stop, batched
+        self.width = width  # the rows in flight its lanes hold
         self.draft_hook, self.on_token, self.trace = draft_hook, on_token, trace
         # the last token is never fed back, so the cache holds positions up to the one before it
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], [] if keep_logits else None
         self.digest = hashlib.blake2b(digest_size=16) if digest_logits else None  # committed rows'
-        self.starting = None  # the row its next P call starts
+        self.starting = []  # the rows its next P call starts
         self.entry = None  # its latest trace entry
         self.slot, self.t0 = None, None  # set by its prefill
         # r_seconds: host time in its R calls after the prefill (bench.py); host_syncs: the
         # blocking transfers after the prefill (reads of its C calls' tokens: one per tick at most)
+        # proposed, rescued: second proposals started, and those that won (wavefront_siblings)
         self.stats = dict(index=index, r_calls=0, rows=0, c_calls=0, drafted=0, accepted=0,
-                          rejected=0, stop_token=None, r_seconds=0.0, host_syncs=0)
+                          rejected=0, proposed=0, rescued=0, stop_token=None, r_seconds=0.0,
+                          host_syncs=0)
 
-    def start(self, pos, token):
-        """P: a new row at depth 0, made by the next call (before the R call that advances it)."""
-        assert self.starting is None, "one P row per sequence per call"
-        self.starting = Row(pos, token)
-        return self.starting
+    def start(self, pos, token, parent=None):
+        """P: a new row at depth 0, made by the next call (before the R call that advances it);
+        parent: the row it is proposed from (wavefront_siblings), whose second child it may be."""
+        row = Row(pos, token, parent=parent)
+        if parent is not None:
+            if parent.children:  # a second proposal
+                self.stats["proposed"] += 1
+                self.mark("proposed", parent)
+            parent.children.append(row)
+        self.starting.append(row)
+        return row
 
-    def draft(self, row, out: Readout):
-        """The token read from `row` at the draft depth: a draft for the next position."""
-        self.stats["drafted"] += 1
-        token = self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
+    def mark(self, what, *rows):
+        """The trace's note of this tick: what happened to which rows (for draw_wavefront)."""
         if self.entry is not None:
-            self.entry.update(drafted=row.pos + 1, draft=token)
+            self.entry.setdefault(what, []).extend(id(r) for r in rows)
+
+    def draft(self, row, out: Readout, depth=None):
+        """The token read from `row` at the draft depth: a draft for the next position. depth: the
+        second depth, for a second proposal's token (the draft hook is told)."""
+        self.stats["drafted"] += depth is None
+        token = out.token
+        if self.draft_hook:
+            token = (self.draft_hook(row.pos + 1, token) if depth is None
+                     else self.draft_hook(row.pos + 1, token, depth=depth))
+        if depth is None:
+            self.mark("drafted", row)
         return token
 
     def verify(self, row, target: Readout):
         """Is the draft that `row` carries the token of the full-depth logits before it?"""
         ok = row.token == target.token
         self.stats["accepted" if ok else "rejected"] += 1
-        if self.entry is not None:
-            self.entry["accepted" if ok else "rejected"] = row.pos
+        self.mark("accepted" if ok else "rejected", row)
         return ok
+
+    def keep(self, parent, target: Readout):
+        """The child of `parent` that carries the token of its full-depth logits, or None: its
+        draft (accepted), or its second proposal (rescued); rejected when neither does."""
+        kept = next((c for c in parent.children if c.token == target.token), None)
+        first = parent.children[:1] == [kept]
+        if parent.children:
+            self.stats["accepted" if first else "rescued" if kept else "rejected"] += 1
+        self.mark("accepted" if first else "rescued", *[kept] * (kept is not None))
+        self.mark("rejected", *[c for c in parent.children if c is not kept])
+        return kept
 
     def commit(self, out: Readout):
         """Append the token of full-depth logits; True when generation is over."""
@@ -160,6 +206,52 @@ def wavefront(seq: Sequence, k: int):
                 rows.append(seq.start(oldest.pos + 1, seq.tokens[-1]))
         if drafting:
             rows.append(seq.start(newest.pos + 1, seq.draft(newest, out[-1])))
+
+
+def wavefront_siblings(seq: Sequence, k: int, m: int):
+    """The wavefront with a second proposal: every row is read at the draft depth k, its draft
+    starting its first child at the next position, as in wavefront, and again at the second depth m
+    (k < m < T): where that token differs from the first child's, a sibling starts at the same
+    position with it. The rows in flight form a tree under the oldest; when the oldest reaches
+    depth T, its full-depth token keeps the child that carries it, the draft or its sibling (a
+    rescue), and drops the other with every row built on it; with neither, the position starts
+    again. A row starts only while the lanes hold it (seq.width), drafts before siblings."""
+    T, prompt = seq.num_steps, len(seq.prompt)
+    oldest = seq.start(prompt, seq.tokens[-1])
+    rows = [oldest]  # in flight, each after its parent
+
+    def drop(row):
+        rows.remove(row)
+        for child in row.children:
+            drop(child)
+
+    while True:
+        yield Advance(rows)
+        verifying = oldest.depth == T
+        drafting = [r for r in rows if r.depth == k and r.pos < seq.last_pos]
+        proposing = [r for r in rows if r.depth == m and r.pos < seq.last_pos]
+        reading = [oldest] * verifying + drafting + proposing
+        out = dict(zip(reading, (yield Read(reading)))) if reading else {}
+        if verifying:
+            rows.remove(oldest)
+            kept = seq.keep(oldest, out[oldest])
+            for child in oldest.children:
+                if child is not kept:
+                    drop(child)
+            if seq.commit(out[oldest]):
+                return
+            oldest = kept or seq.start(oldest.pos + 1, seq.tokens[-1])
+            oldest.parent = None
+            if not kept:
+                rows.append(oldest)
+        for r in drafting:
+            if r in rows and len(rows) < seq.width:
+                rows.append(seq.start(r.pos + 1, seq.draft(r, out[r]), parent=r))
+        for r in proposing:
+            if r in rows and len(rows) < seq.width:
+                token = seq.draft(r, out[r], depth=m)
+                if token not in [c.token for c in r.children]:
+                    rows.append(seq.start(r.pos + 1, token, parent=r))
 
 
 def draft_then_verify(seq: Sequence, k: int, draft_len: int):
@@ -238,18 +330,20 @@ class Decoder:
     lane: then the first one free), idle lanes at position -1. A row thus meets the same lanes and
     call shapes in every schedule whose rows in flight lie within `width` positions (AR, DtV, WFD),
     so a schedule computes AR's bits at the same batch and width, in any dtype
-    (docs/exactness.md), whoever shares the call.
+    (docs/exactness.md), whoever shares the call. branching (the second proposal): a row started
+    at a position where a row of its sequence is in flight writes its keys to a branch's columns,
+    and the rows built on it read them there (docs/siblings.md).
 
-    What the host sends a call (ids, positions, depths) goes through pinned memory without
-    blocking (runtime.transfers.Staging), and a C call's tokens are the one read back, so that a
-    tick makes one blocking transfer (docs/compiling.md)."""
+    What the host sends a call (ids, positions, depths, branches) goes through pinned memory
+    without blocking (runtime.transfers.Staging), and a C call's tokens are the one read back, so
+    that a tick makes one blocking transfer (docs/compiling.md)."""
 
     def __init__(self, model, slots, capacity, *, num_steps, width, window=None,
-                 sampling=Sampling(), compile=False, digest=False):
+                 sampling=Sampling(), compile=False, digest=False, branching=False):
         self.model, self.slots, self.num_steps, self.width = model, slots, num_steps, width
-        self.compiled, self.lanes = compile, slots * width
+        self.compiled, self.lanes, self.branching = compile, slots * width, branching
         allocate = memory.static_cache if compile else memory.new_cache
-        self.cache = allocate(model, capacity, num_steps, window, slots)
+        self.cache = allocate(model, capacity, num_steps, window, slots, width * branching)
         # P with the rows' entry into their lanes, and C with the choice of tokens (R: model.R)
         self.start_call, self.read_call = start_body, read_body
         if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
@@ -262,7 +356,10 @@ class Decoder:
         self.keys = torch.zeros(self.lanes, dtype=torch.int64, device=model.device)  # seed keys
         self.sampler = sampling.on(model.device)._replace(key=self.keys)
         self.salt = digest_salt(model.args.vocab_size, model.device) if digest else None
-        self.staging = Staging(model.device, 2, self.lanes)  # a call's two int64 lines
+        # a call's int64 lines: positions, depths or ids; branching: branch, q and j of Branches
+        lines = lambda c: (c[0], c[1], c[2], c[3:3 + width].T, c[3 + width:].T)
+        self.staging = Staging(model.device, 3 + 2 * width if branching else 2, self.lanes,
+                               views=lines if branching else tuple)
 
     def prefill(self, seq, slot):
         """The whole prompt at full depth into its slot's cache, in a call of its own; commits the
@@ -283,48 +380,81 @@ class Decoder:
         token, finite, *digest = fetch(chosen[:, 0])
         return seq.commit(Readout(token, bool(finite), logits, 0, *digest))
 
+    def stage(self, rows, second=None):
+        """A call's lines, filled from its rows and sent to the device: (positions, the second
+        line, its Branches or None, the furthest position). second(row): the second line's value
+        of a row (its depth, its token), 0 in idle lanes."""
+        lines, width = self.staging.next(), self.width
+        lines[0].fill(-1)
+        lines[1].fill(0)
+        if self.branching:  # each row's branch, and the (q, j) of its redirects: -1 for none
+            lines[2:].fill(-1)
+        for r in rows:
+            lines[0, r.lane] = r.pos
+            if second:
+                lines[1, r.lane] = second(r)
+            if self.branching:
+                lines[2, r.lane] = -1 if r.branch is None else r.branch
+                for i, (q, j) in enumerate(r.redirects()):
+                    lines[3 + i, r.lane], lines[3 + width + i, r.lane] = q, j
+        sent, branches = self.staging.send(), None
+        if self.branching:
+            redirected = lines[3:3 + width][lines[3:3 + width] >= 0]
+            # compiled: every block patched, one graph; eager: those from the first redirected
+            gather = (None if self.compiled else int(redirected.min()) // self.cache.block
+                      if len(redirected) else self.cache.scratch)  # (no block)
+            branches = Branches(*sent[2:], gather)
+        return sent[0], sent[1], branches, max(r.pos for r in rows)
+
+    def lane_of(self, pos):
+        """The lane, within its slot's, of a row at position pos, unless a row of its sequence's
+        call holds it."""
+        return pos % self.width
+
     def start(self, runs):
-        """P: the rows the sequences started, each in its lane (the other lanes idle, and kept)."""
-        ids, pos = self.staging.next()
-        ids.fill(0)
-        pos.fill(-1)
-        top = 0
+        """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a
+        second row at its position in a branch of its own."""
         for run in runs:
-            row, first = run.seq.starting, run.seq.slot * self.width
-            taken = {r.lane for r in run.waits.rows if r is not row}
-            row.lane = first + row.pos % self.width
-            if row.lane in taken:
-                row.lane = min(set(range(first, first + self.width)) - taken)
-            ids[row.lane], pos[row.lane], top = row.token, row.pos, max(top, row.pos)
-            run.seq.starting = None
-        ids, pos = self.staging.send()
+            rows, first = run.waits.rows, run.seq.slot * self.width
+            taken = {r.lane for r in rows if r.lane is not None}
+            for row in run.seq.starting:
+                row.lane = first + self.lane_of(row.pos)
+                if row.lane in taken:
+                    row.lane = min(set(range(first, first + self.width)) - taken)
+                taken.add(row.lane)
+                if self.branching and any(r.pos == row.pos and r.lane is not None
+                                          and r is not row for r in rows):
+                    row.branch = min(set(range(self.width))
+                                     - {r.branch for r in rows if r.branch is not None})
+        starting = [row for run in runs for row in run.seq.starting]
+        pos, ids, branches, top = self.stage(starting, second=lambda r: r.token)
+        for run in runs:
+            run.seq.starting = []
         call = self.model.to_device(pos, None, self.cache, self.compiled, top)
+        call = call._replace(branches=branches)
         self.s, self.e = self.start_call(self.model, ids, call, self.s, self.e)
 
     def advance(self, runs):
         """R: one call moves every row of every sequence one recurrence deeper, each at its own
         depth (after the P call of the rows they started, when any). The other lanes keep their
         state (draft-then-verify's rows waiting for the verify pass)."""
-        starting = [run for run in runs if run.seq.starting is not None]
+        starting = [run for run in runs if run.seq.starting]
         if starting:
             self.start(starting)
-        pos, depth = self.staging.next()
-        pos.fill(-1)
-        depth.fill(0)
-        top = 0
-        for run in runs:
-            for r in run.waits.rows:
-                pos[r.lane], depth[r.lane], top = r.pos, r.depth, max(top, r.pos)
-                r.depth += 1
-        pos, depth = self.staging.send()
+        rows = [r for run in runs for r in run.waits.rows]
+        pos, depth, branches, top = self.stage(rows, second=lambda r: r.depth)
+        for r in rows:
+            r.depth += 1
         t0 = time.perf_counter()
-        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, self.compiled, top=top)
+        self.s = self.model.R(self.s, self.e, pos, depth, self.cache, self.compiled, top=top,
+                              branches=branches)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
-            if seq.trace is not None:  # one entry per R call: (position, depth reached) of each row
+            if seq.trace is not None:  # one entry per R call: (position, depth reached, identity,
+                # token) of each row, and the marks of its tick (Sequence.mark)
                 index = {"index": seq.index} if seq.batched else {}
-                seq.entry = dict(rows=[(r.pos, r.depth) for r in rows], **index)
+                seq.entry = dict(rows=[(r.pos, r.depth, id(r), r.token) for r in rows], **index)
                 seq.trace.append(seq.entry)
             seq.stats["r_calls"] += 1
             seq.stats["rows"] += len(rows)
@@ -332,17 +462,17 @@ class Decoder:
 
     def read(self, runs):
         """C: each running row's logits and the token they choose, in one call and one transfer to
-        the host. Returns each run's Readouts."""
-        pos = self.staging.next()[0]
-        pos.fill(-1)
-        top = 0
-        for run in runs:
-            for r in run.waits.rows:
-                pos[r.lane], top = r.pos, max(top, r.pos)
-        pos = self.staging.send()[0]
+        the host. Returns each run's Readouts. A row read at full depth retires: from a branch, its
+        keys move to its position's columns (kv.KVCache.settle)."""
+        pos, _, branches, top = self.stage([r for run in runs for r in run.waits.rows])
         call = self.model.to_device(pos, None, self.cache, self.compiled, top)
+        call = call._replace(branches=branches)
         logits, chosen = self.read_call(self.model, self.s, self.e, call, self.sampler,
                                         salt=self.salt)
+        for run in runs:
+            for r in run.waits.rows:
+                if r.branch is not None and r.depth == self.num_steps:
+                    self.cache.settle(run.seq.slot, r.branch, r.pos)
         tokens, finite, *digests = fetch(chosen)  # the tick's one blocking transfer
         out = []
         for run in runs:
@@ -404,7 +534,8 @@ def compile_graphs(model, prompt_ids, max_new_tokens, **settings):
     with torch.no_grad():
         compiling.warm_up(Decoder(model, p.slots, p.capacity, num_steps=p.num_steps, width=p.width,
                                   window=p.window, sampling=p.sampling, compile=True,
-                                  digest=digest))
+                                  digest=digest,
+                                  branching=settings.get("second_depth") is not None))
     return counters["stats"]["unique_graphs"] - graphs
 
 
@@ -413,7 +544,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
              temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None,
              draft_hook: Callable[..., int] = None, on_token: Callable = None,
              on_finish: Callable = None, trace: list = None, keep_logits=False, digest_logits=False,
-             compile=False):
+             compile=False, second_depth=None):
     """Greedy or sampled decoding of one prompt, returning Generation(tokens, stats, logits), or of
     a list of prompts (docs/batching.md: batch_size slots, one per prompt by default, refilled as
     they finish), returning one Generation per prompt, in order.
@@ -429,31 +560,42 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     stats["logits_digest"] (equal digests: bit-equal logits, but for a chance of about 2^-32).
     compile: docs/compiling.md; stats["graphs_compiled"] counts the graphs made during the
     generation (none after compile_graphs), stats["cuda_graphs_rerecorded"] and
-    ["cuda_graphs_skipped"] the CUDA graphs re-recorded and skipped (none)."""
+    ["cuda_graphs_skipped"] the CUDA graphs re-recorded and skipped (none).
+
+    second_depth m (k < m < T): the wavefront's second proposal (wavefront_siblings,
+    docs/siblings.md); draft_hook(pos, token, depth=m) is then called for the second proposals too.
+    With method "ar" it runs AR through the same calls (branch columns and all), the reference of
+    the second proposal at its width."""
     p = checks.plan(model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps,
                     draft_steps=draft_steps, draft_len=draft_len, width=width, capacity=capacity,
                     eos_token_id=eos_token_id, kv=kv, window=window, temperature=temperature,
-                    top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)
-    T, k = p.num_steps, p.draft_steps
-    schedule = dict(ar=autoregressive, wfd=partial(wavefront, k=k),
+                    top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile,
+                    second_depth=second_depth)
+    T, k, m = p.num_steps, p.draft_steps, second_depth
+    schedule = dict(ar=autoregressive,
+                    wfd=partial(wavefront, k=k) if m is None else partial(wavefront_siblings, k=k,
+                                                                            m=m),
                     dtv=partial(draft_then_verify, k=k, draft_len=draft_len))[method]
     own = (lambda f, i: f and partial(f, i)) if p.batched else (lambda f, i: f)  # prompt i's
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     dec = Decoder(model, p.slots, p.capacity, num_steps=T, width=p.width, window=p.window,
-                  sampling=p.sampling, compile=compile, digest=digest_logits)
+                  sampling=p.sampling, compile=compile, digest=digest_logits,
+                  branching=m is not None)
     settings = dict(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
                     window=p.window, width=p.width, batch_size=p.slots, temperature=temperature,
                     top_k=top_k, top_p=top_p, compiled=compile, eos_token_ids=sorted(p.stop),
-                    kv_bytes=dec.cache.nbytes)
+                    kv_bytes=dec.cache.nbytes, second_depth=m,
+                    branch_kv_bytes=dec.cache.nbytes - cache_bytes(model, p.capacity, T, p.window,
+                                                                   p.slots))
     graphs, generations = counters["stats"]["unique_graphs"], [None] * len(p.prompts)
     cuda_graphs = compiling.cuda_graph_counts(model.device)
 
     def finish(seq):
         """A sequence's Generation as it finishes (graphs and peak memory: the counts so far)."""
         stats, n, wall = seq.stats, len(seq.tokens), time.perf_counter() - seq.t0
-        verified = stats["accepted"] + stats["rejected"]
+        verified = stats["accepted"] + stats["rescued"] + stats["rejected"]
         stats.update(settings, tokens=n, r_calls_per_token=stats["r_calls"] / n, wall_s=wall,
                      acceptance=stats["accepted"] / verified if verified else float("nan"),
                      tokens_per_s=n / wall, slot=seq.slot, seed=p.seeds[seq.index],
@@ -470,7 +612,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
 
     with torch.no_grad():
         seqs = [Sequence(i, prompt, p.max_new_tokens, T, key=seed_key(p.seeds[i]), stop=p.stop,
-                         batched=p.batched, draft_hook=own(draft_hook, i),
+                         batched=p.batched, width=p.width, draft_hook=own(draft_hook, i),
                          on_token=own(on_token, i), trace=trace, keep_logits=keep_logits,
                          digest_logits=digest_logits)
                 for i, prompt in enumerate(p.prompts)]

@@ -86,6 +86,9 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's "
                    "wfd_draft_steps, else max(1, T // 8))")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
+    p.add_argument("--second-depth", type=int, metavar="M", help="the wavefront's second proposal: "
+                   "each row read again at depth M (k < M < T), a sibling started where it "
+                   "disagrees with the draft (docs/siblings.md)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "

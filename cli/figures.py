@@ -14,9 +14,11 @@ AXES = {
     "draft-steps": ("k", "draft depth k (recurrences of a draft)"),
     "length": ("prompt tokens", "prompt length (tokens)"),
     "batch": ("batch", "batch size (sequences decoded together)"),
+    "second-depth": ("m", "second depth m (recurrences before a row's second read)"),
 }
 LEGEND = """\
-- the point: the emulated acceptance A, the draft depth k, the prompt length or the batch size.
+- the point: the emulated acceptance A, the draft depth k, the prompt length, the batch size or
+  the second proposal's depth m (its figure: R calls per token, measured and by its cost model).
   acceptance: WFD's, measured (accepted / verified drafts); ideal: T / (A*k + (1-A)*T) at that
   acceptance, the wavefront's speedup if a call cost the same at every width and nothing else took
   time; WFD / ideal: the share of it WFD reaches.
@@ -54,6 +56,13 @@ def ideal_speedup(T, k, acceptance):
     """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts
     to accept."""
     return 1.0 if k == T else T / (acceptance * k + (1 - acceptance) * T)
+
+
+def second_proposal_calls(T, k, m, accepted, rescued):
+    """R calls per token of the second proposal in steady state: a token commits k ticks after the
+    one before when the draft was right, m when its sibling was (it started m - k ticks later),
+    T after a restart: a*k + r*m + (1-a-r)*T."""
+    return accepted * k + rescued * m + (1 - accepted - rescued) * T
 
 
 def table(sweep):
@@ -141,6 +150,40 @@ def plot(sweep, path):
     fig = Figure(figsize=(PIXELS[0] / DPI, PIXELS[1] / DPI), dpi=DPI)
     FigureCanvasAgg(fig)  # no pyplot, no global backend: Agg draws this figure alone
     ax = fig.add_subplot()
+    if sweep["sweep"] == "second-depth":
+        plot_calls(ax, sweep)
+    else:
+        plot_speedups(ax, sweep)
+    ax.set_xlabel(sweep["x_label"])
+    ax.set_title(f"{sweep['model']}, bench.py {sweep_flag(sweep['sweep'])}\n"
+                 f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
+    ax.grid(alpha=0.3)
+    low, high = ax.get_ylim()  # room above the points for the legend
+    ax.set_ylim(low, high + 0.3 * (high - low))
+    ax.legend(loc="upper left", ncol=2, fontsize=7.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)  # without bbox_inches="tight", which would change the size
+
+
+def plot_calls(ax, sweep):
+    """The second depth's figure: R calls per token of the second proposal at each m, measured and
+    by its cost model at the measured rates, beside plain WFD's at the same k and AR's T."""
+    points, T = sweep["points"], sweep["T"]
+    xs, k = [p["x"] for p in points], points[0]["k"]
+    value = lambda x: math.nan if x is None else x
+    ax.axhline(T, ls="--", color="0.5", label=f"AR ({T})")
+    ax.plot(xs, [value(p["methods"]["wfd"]["r_calls_per_token"]) for p in points], "s",
+            color="C1", label=f"WFD, k={k}, measured")
+    ax.plot(xs, [value(p["methods"]["wfd-2"]["r_calls_per_token"]) for p in points], "o",
+            color="C0", label=f"WFD, k={k}, second proposal at m, measured")
+    ax.plot(xs, [value(p["methods"]["wfd-2"]["r_calls_formula"]) for p in points], "-",
+            color="0.25", label="a·k + r·m + (1−a−r)·T at the measured a, r")
+    ax.set_xticks(xs)
+    ax.set_ylabel("R calls per token (sequential)")
+
+
+def plot_speedups(ax, sweep):
+    """Each method's speedup over AR at each point, under the ideal curve."""
     points, T = sweep["points"], sweep["T"]
     # undefined (no draft verified): left out of the plot
     value = lambda x: math.nan if x is None else x
@@ -174,13 +217,4 @@ def plot(sweep, path):
             mfc="none", color=colors["wfd"], label="WFD, R-call ratio (AR's R calls / WFD's)")
     if sweep["sweep"] == "draft-steps":
         ax.set_xticks([p["x"] for p in points])
-    ax.set_xlabel(sweep["x_label"])
     ax.set_ylabel("speedup over AR (×, ratio of tok/s)")
-    ax.set_title(f"{sweep['model']}, bench.py {sweep_flag(sweep['sweep'])}: speedup over AR\n"
-                 f"{sweep['machine']}, {sweep['dtype']}, {sweep['clock']} clock", fontsize=9)
-    ax.grid(alpha=0.3)
-    low, high = ax.get_ylim()  # room above the points for the legend
-    ax.set_ylim(low, high + 0.3 * (high - low))
-    ax.legend(loc="upper left", ncol=2, fontsize=7.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)  # without bbox_inches="tight", which would change the size

@@ -55,41 +55,43 @@ def stats_line(method, stats):
     peak = ("" if stats["peak_memory_bytes"] is None
             else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB")
     stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
+    second = ("" if stats.get("second_depth") is None else
+              f", second depth m={stats['second_depth']}: {stats['rescued']} rescues")
     return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls "
             f"({stats['r_calls_per_token']:.2f}/token), T={stats['num_steps']} "
-            f"k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}, "
+            f"k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}{second}, "
             f"{stats['tokens_per_s']:.1f} tok/s, KV "
             f"{stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
 
 
-def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
+def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24, second_depth=None):
     """The (position x depth) picture of the first R calls of a WFD run: one column per R call, one
-    line per row (a position, named by the token it reads in; a rejected draft and the row that
-    replaces it get a line each), the cell holding the depth the row reached in that call.
-    tokens: the committed tokens."""
+    line per row (a position, named by the token it reads in; a rejected draft, its sibling and
+    the row that replaces them get a line each), the cell holding the depth the row reached in that
+    call and what happened to it (the legend). tokens: the committed tokens."""
     trace = trace[:ticks]
     width = len(str(num_steps)) + 4
-    pending, active, lines = {}, {}, []
+    lines, marks = {}, ("accepted", "rescued", "rejected", "drafted", "proposed")
     for t, tick in enumerate(trace):
-        for pos, depth in tick["rows"]:
-            if depth == 1:  # the row's first R call
-                token = pending.pop(pos) if pos in pending else tokens[pos - first_pos]
-                active[pos] = dict(name=f"#{pos - first_pos + 1:<3} {label(token)}", cells={})
-                lines.append(active[pos])
-            verdict = {tick.get("accepted"): "+", tick.get("rejected"): "x"}.get(pos, "")
-            if "rejected" in tick and pos > tick["rejected"]:
-                verdict = "-"
+        later = {rid for _, _, rid, _ in trace[t + 1]["rows"]} if t + 1 < len(trace) else None
+        note = {what: set(tick.get(what, ())) for what in marks}
+        for pos, depth, rid, token in tick["rows"]:
+            line = lines.setdefault(rid, dict(name=f"#{pos - first_pos + 1:<3} {label(token)}",
+                                              cells={}))
+            dropped = (later is not None and rid not in later and depth < num_steps
+                       and rid not in note["rejected"])
+            verdict = ("+" if rid in note["accepted"] else "^" if rid in note["rescued"] else
+                       "x" if rid in note["rejected"] else "-" if dropped else "")
             mark = (("=" if depth == num_steps else "") + verdict
-                    + ("d" if tick.get("drafted") == pos + 1 else ""))
-            active[pos]["cells"][t] = f"{depth}{mark}"
-        if "drafted" in tick:
-            pending[tick["drafted"]] = tick["draft"]
-    name_w = max(len(line["name"]) for line in lines)
+                    + ("d" if rid in note["drafted"] else "") + ("s" if rid in note["proposed"]
+                                                                 else ""))
+            line["cells"][t] = f"{depth}{mark}"
+    name_w = max(len(line["name"]) for line in lines.values())
     out = [" " * name_w + "  R call " + "".join(f"{t + 1:>{width}}" for t in range(len(trace)))]
-    for line in lines:
+    for line in lines.values():
         cells = "".join(f"{line['cells'].get(t, ''):>{width}}" for t in range(len(trace)))
         out.append(f"{line['name']:<{name_w}}         {cells}".rstrip())
-    committed = sum(1 for tick in trace for pos, depth in tick["rows"] if depth == num_steps)
+    committed = sum(1 for tick in trace for pos, depth, _, _ in tick["rows"] if depth == num_steps)
     out += ["One column per R call (the looped block run once over a batch of rows), "
             "one line per row:",
             "a new token's position, named by the token it reads in. "
@@ -102,9 +104,15 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24):
             "  +  this row's draft was checked and accepted",
             "  x  this row's draft was rejected: "
             "the row is dropped (- and the rows drafted from it), and the",
-            "     position starts again from depth 1 with the committed token",
-            f"{committed} tokens committed in {len(trace)} R calls; "
-            f"AR takes {num_steps} R calls per token."]
+            "     position starts again from depth 1 with the committed token"]
+    if second_depth is not None:
+        out += [f"  s  read again at the second depth m={second_depth}: its token differs from "
+                "the draft, and starts",
+                "     a sibling row at the next position (a line of its own)",
+                "  ^  this row, a sibling, carried the committed token: a rescue (its draft "
+                "sibling is dropped)"]
+    out.append(f"{committed} tokens committed in {len(trace)} R calls; "
+               f"AR takes {num_steps} R calls per token.")
     return "\n".join(out)
 
 

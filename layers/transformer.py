@@ -55,6 +55,16 @@ def apply_rope(x, cos, sin, interleaved):
     return out.to(x.dtype)
 
 
+def value_gate(h, weight):
+    """Parcae's value-embedding gate, per kv head: 2 sigmoid(g) in (0, 2) of g = h W^T, read from
+    the normed input h [..., N, D]; [..., N, Hkv]. Written so that a row's bits do not depend on
+    its lane in the call (docs/exactness.md): the few outputs as products and sums (a matmul this
+    narrow gives a row other bits in another lane), and 2 sigmoid(g) as 1 + tanh(g / 2) (the CPU's
+    sigmoid takes the last elements of a tensor another way)."""
+    g = (h[..., None, :VE_GATE_CHANNELS] * weight).sum(-1)
+    return 1 + torch.tanh(g / 2)
+
+
 def swiglu(h):
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -98,8 +108,8 @@ class Block(nn.Module):
         if self.q_norm is not None:  # OLMo-2: over the whole projection, every head at once
             q, k = rms_norm(q, self.q_norm, a.norm_eps), rms_norm(k, self.k_norm, a.norm_eps)
         q, k, v = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k, v))  # [..., N, heads, hd]
-        if self.ve_gate is not None:  # per kv head, a gate in (0, 2) read from the normed input
-            gate = 2 * torch.sigmoid(self.ve_gate(h[..., :VE_GATE_CHANNELS]))
+        if self.ve_gate is not None:
+            gate = value_gate(h, self.ve_gate.weight)
             v = v + gate[..., None] * ve[..., self.ve_cols].unflatten(-1, (-1, a.head_dim))
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]

@@ -80,7 +80,8 @@ def stop_ids(eos_token_id, vocab_size):
 
 def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
                draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-               temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None, compile=False):
+               temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None, compile=False,
+               second_depth=None):
     """generate()'s arguments checked and normalized: (the prompt as a list of ints, or several as a
     list of them, max_new_tokens as an int, T, k, width, window, the stop tokens as a frozenset).
     run.py calls it too, so that bad input is refused before anything is printed."""
@@ -115,8 +116,17 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
     if draft_len < 1:
         raise ValueError(f"draft_len must be at least 1, not {draft_len}")
     wave = math.ceil(T / k)  # the wavefront's rows in flight
+    if second_depth is not None:
+        m = second_depth
+        if not isinstance(m, int) or isinstance(m, bool) or not k < m < T:
+            raise ValueError(f"second depth {m!r} is out of range: it must lie between the draft "
+                             f"depth {k} and the full depth {T} (k < m < T)")
+        if method == "dtv":
+            raise ValueError("second_depth is the wavefront's second proposal: method 'wfd' (or "
+                             "'ar', its exact reference through the same calls), not 'dtv'")
     need = wave if method == "wfd" else draft_len + 1 if method == "dtv" else 1
-    width = (draft_len + 1 if method == "dtv" else wave) if width is None else width
+    default = sibling_width(T, k, second_depth) if second_depth is not None else wave
+    width = (draft_len + 1 if method == "dtv" else default) if width is None else width
     if not isinstance(width, int) or width < need:
         raise ValueError(f"width {width!r} is too small: {method} needs at least {need} rows "
                          "per call")
@@ -146,6 +156,13 @@ def check_args(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=Non
         raise ValueError(f"compile must be True or False, not {compile!r}")
     return (prompts if batched else prompts[0], int(max_new_tokens), T, k, width, window,
             stop_ids(eos_token_id, model.args.vocab_size))
+
+
+def sibling_width(T, k, m):
+    """The second proposal's default width: the wavefront's ceil(T / k) rows, and the rows of the
+    branch a sibling grows before its parent is verified, ceil((T - m) / k) (fewer lanes only
+    start fewer rows: a row never waits for one)."""
+    return math.ceil(T / k) + math.ceil((T - m) / k)
 
 
 def check_prompt(model, prompt, max_new_tokens, capacity):

@@ -16,14 +16,15 @@ class Staging:
     has run (its event), since the device may be several calls behind. On a CPU the host array
     is the device tensor itself, used by the call before the next one is filled."""
 
-    def __init__(self, device, rows, size, ring=64):
+    def __init__(self, device, rows, size, ring=64, views=tuple):
         self.cuda = device.type == "cuda"
         ring = ring if self.cuda else 1
         self.host = torch.zeros(ring, rows, size, dtype=torch.int64, pin_memory=self.cuda)
         self.arrays = self.host.numpy()
-        # each chunk's lines on the device, made once: views cost microseconds of host time
+        # what send() returns of each chunk on the device, views(chunk) (default: its lines),
+        # made once: views cost microseconds of host time
         self.device = torch.empty_like(self.host, device=device) if self.cuda else self.host
-        self.lines = [tuple(chunk) for chunk in self.device]
+        self.lines = [views(chunk) for chunk in self.device]
         self.events = [None] * ring
         self.i = 0
 
@@ -35,7 +36,8 @@ class Staging:
         return self.arrays[self.i]
 
     def send(self):
-        """The chunk filled since next(), on the device: a tuple of its lines."""
+        """The chunk filled since next(), on the device, as views(chunk): by default a tuple of
+        its lines."""
         if self.cuda:  # stream-ordered: the calls that read this chunk's last copy came before
             self.device[self.i].copy_(self.host[self.i], non_blocking=True)
             self.events[self.i] = torch.cuda.Event()

@@ -8,17 +8,19 @@
 # GPU. Estimates on an H200 (not yet measured: no GPU has been lent), compiling included:
 #   tests     the cuda tests that matter, without -x: CUDA graphs taken and never re-recorded,
 #             static KV buffers kept, one blocking transfer per tick, compiled WFD == compiled AR
-#             across every key bucket, eager WFD == AR on SDPA's fused kernels            ~150 s
+#             across every key bucket, a row's bits independent of its lane (what the second
+#             proposal rests on) and the second proposal compiled, eager WFD == AR on SDPA's
+#             fused kernels                                                                ~170 s
 #   huginn-c  huginn-0125 config, bf16, emulated acceptance 0.94, AR and WFD, 64 new tokens,
 #             compiled (CUDA graphs; fails when a timed run compiled or re-recorded a graph) ~110 s
 #   ouro-c    the same for Ouro-2.6B at acceptance 0.92 (its 48-layer R graph)            ~130 s
-#   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed)           ~35 s
-#   ouro      ouro-c eager (6,941 per R call)                                              ~45 s
-#   batch     the batch sweep (--batch-sizes 1,4) on huginn-0125, compiled, 32 tokens     ~50 s
+#   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed)           ~30 s
+#   ouro      ouro-c eager (6,941 per R call)                                              ~35 s
+#   batch     the batch sweep (--batch-sizes 1,4) on huginn-0125, compiled, 32 tokens     ~40 s
 #   parcae    parcae-1.3b, compiled, acceptance 0.9                                        ~20 s
 #   paper     bench.py --paper, compiled, one prompt per category, 64 tokens, its answers kept, on
-#             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)   ~0 s
-#             without them, ~90 s each
+#             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)
+#             ~90 s each (none without PAPER_MODELS)
 #   scripts/gpu_check.sh               the steps above (STEPS="huginn-c ouro-c": those alone)
 #   scripts/gpu_check.sh --smoke       every step small on the CPU, in seconds, and a check that
 #                                      the estimates above fit the budget (tests/test_bench.py)
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."  # the project
 PY=${PYTHON:-python}
 RESULTS=${RESULTS:-gpu_results}
 ALL="tests huginn-c ouro-c huginn ouro batch parcae paper"
-declare -A ESTIMATE=([tests]=150 [huginn-c]=110 [ouro-c]=130 [huginn]=35 [ouro]=45 [batch]=50
+declare -A ESTIMATE=([tests]=170 [huginn-c]=110 [ouro-c]=130 [huginn]=30 [ouro]=35 [batch]=40
                      [parcae]=20 [paper]=0)
 start=$SECONDS failed=0
 GPU_BUDGET_S=540
@@ -52,6 +54,8 @@ else
            tests/test_compile.py::test_compiled_schedules_compile_nothing_and_equal_compiled_ar
            tests/test_compile.py::test_compiled_wfd_equals_compiled_ar_across_every_key_bucket
            tests/test_families.py::test_one_blocking_transfer_per_tick_on_every_family
+           tests/test_siblings.py::test_a_rows_bits_do_not_depend_on_its_lane
+           tests/test_siblings.py::test_compiled_siblings_compile_nothing_and_equal_compiled_ar
            test_wfd.py::test_eager_decoding_runs_on_fused_attention_kernels_alone
            test_wfd.py::test_wfd_and_dtv_equal_ar_at_every_draft_depth"
     steps=${STEPS:-$ALL}

@@ -63,7 +63,7 @@ def test_golden_checkpoint(capsys, tmp_path):
     assert {"ar", "dtv", "wfd"} <= set(out["names"])
     for cells in table.values():
         assert len(cells) == len(bench.COLUMNS) and cells[-2] == "100%"  # every mode is exact
-    assert table["AR"][3] == "1.00x" and table["AR"][7] == "4.00" and table["AR"][1] == "1"
+    assert table["AR"][3] == "1.00x" and table["AR"][8] == "4.00" and table["AR"][1] == "1"
     check_answers(tmp_path, "ouro_A", out)
 
 
@@ -246,7 +246,7 @@ SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torc
               "ar_again_tok_s", "batch_size"}
 POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
 METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token",
-               "r_call_ratio", "acceptance", "tokens_per_round", "kv_mib", "identical",
+               "r_call_ratio", "acceptance", "rescues", "tokens_per_round", "kv_mib", "identical",
                "measured_at_point"}
 
 
@@ -270,8 +270,9 @@ def sweep(capsys, tmp_path, args):
             assert p["k"] == 4 and p["ideal"] == 1
         else:
             assert p["ideal"] == pytest.approx(4 / (a * p["k"] + (1 - a) * 4))
-        for m in p["methods"].values():
-            assert m.keys() == METHOD_KEYS and m["identical"] == 1
+        for name, m in p["methods"].items():
+            keys = METHOD_KEYS | ({"r_calls_formula"} if name == "wfd-2" else set())
+            assert m.keys() == keys and m["identical"] == 1
         assert table[j + 1].startswith(f"| {p['x']} |") and table[j + 1].endswith("| yes |")
     return saved, [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
 
@@ -447,3 +448,38 @@ def test_sweep_batch(capsys, tmp_path):
     assert png_size(tmp_path / "b.png") == bench.figures.PIXELS
     text = bench.figures.text(saved)
     assert "greedy, each point's batch" in text and bench.figures.BATCH_LEGEND in text
+
+
+# -- the second proposal --------------------------------------------------------------------------
+
+def test_second_depth_row_and_its_emulation(capsys):
+    """--second-depth M adds the second proposal and its reference (AR through the same calls),
+    each identical; with --acceptance A --second-acceptance B the drafts are right with
+    probability A and the second proposals with B, coupled: every verify whose draft was wrong
+    and second proposal right is a rescue."""
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    out, text = run_bench(capsys, ["--random-weights", config, "--acceptance", "0.5",
+                                   "--second-acceptance", "1.0", "--draft-steps", "1",
+                                   "--second-depth", "2", "--methods", "wfd", "--num-prompts",
+                                   "3", "--prompt-len", "4", "--max-new-tokens", "24",
+                                   "--warmup", "0", "--out", ""])
+    table = rows(text)
+    assert {"WFD, second proposal", "AR, second-proposal width"} <= table.keys()
+    assert all(cells[-2] == "100%" for cells in table.values())
+    two = out["figs"]["wfd-2"]
+    assert two["acceptance"] + two["rescues"] == 1 and 0.2 < two["rescues"] < 0.8
+    assert out["figs"]["wfd"]["rescues"] != out["figs"]["wfd"]["rescues"]  # NaN: no siblings
+    assert two["r_per_token"] < out["figs"]["wfd"]["r_per_token"]
+    assert "Second proposal at m=2: " in text and "by a*k + r*m + (1-a-r)*T" in text
+
+
+@pytest.mark.slow
+def test_sweep_second_depth(capsys, tmp_path):
+    """m over k+1..T-1 (T = 4, k = 1: 2 and 3), the figure of R calls per token."""
+    saved, _ = sweep(capsys, tmp_path, ["--sweep", "second-depth", "--prompt-len", "4",
+                                        "--methods", "wfd", "--draft-steps", "1",
+                                        "--plot", str(tmp_path / "m.png")])
+    points = saved["points"]
+    assert [p["x"] for p in points] == [2, 3]
+    assert all(p["methods"]["wfd-2"]["r_calls_formula"] > 1 for p in points)
+    assert png_size(tmp_path / "m.png") == bench.figures.PIXELS

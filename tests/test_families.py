@@ -693,7 +693,8 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     call chose (stats["host_syncs"] counts them), and makes no tensor of host data for the device
     (on a GPU a blocking copy): every other read of a tensor's values (tolist, item, bool, ...)
     and every torch.tensor after the prefill is counted here, on a CPU, and there are none.
-    Greedy and sampled, digested, one prompt and two batched, WFD and DtV."""
+    Greedy and sampled, digested, one prompt and two batched, WFD (with the second proposal too)
+    and DtV."""
     model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
     T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
     prefill, fetch = wfd.Decoder.prefill, wfd.fetch
@@ -715,8 +716,11 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     fetched = []
     monkeypatch.setattr(wfd, "fetch", lambda t: (
         fetched.append(1) if not prefilling[0] else None) or fetch(t))
-    for prompts, method, sampling in (([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
-                                      ([5, 9], "dtv", dict(temperature=0.8, seed=1))):
+    runs = [([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
+            ([5, 9], "dtv", dict(temperature=0.8, seed=1))]
+    if T >= 3:  # the second proposal: its branches staged with the positions
+        runs.append(([3, 1, 4], "wfd", dict(second_depth=T - 1)))
+    for prompts, method, sampling in runs:
         del reads[:], made[:], fetched[:]
         prefilling[0] = True
         outs = wfd.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
