@@ -265,19 +265,29 @@ def attend_blocks(q, blocks, sums=False):
     """q [N, H, hd] against a list of blocks (k, v, Mask: see block_attention), merged by their
     log-sum-exps in a fixed order. Why a row's result does not depend on the other rows of its call:
     every block has the same shapes in every call, and a block the row cannot see has lse -inf, so
-    its weight, exp(-inf - max) in the softmax over the blocks, is exactly 0 (its output, NaN for an
-    empty softmax, is dropped), and it adds exactly 0 to the softmax's sum: the row gets the bits
-    of a call of its own blocks only. One block needs no merge: its weight would be 1."""
+    its weight exp(-inf - total) is exactly 0 (its output, NaN for an empty softmax, is dropped),
+    and it adds exactly 0 to the sum in total: the row gets the bits of a call of its own blocks
+    only. One block needs no merge: its weight would be 1."""
     if len(blocks) == 1:
         return block_attention(q, *blocks[0], need_lse=False, sums=sums)[0]
     outs = [block_attention(q, k, v, seen, need_lse=True, sums=sums) for k, v, seen in blocks]
-    # the blocks' weights exp(lse_b - logsumexp_b lse_b) as a softmax over the blocks: a kernel
-    # that computes each (row, head) alone, where logaddexp and a flat exp would take a row in the
-    # last lanes of the call through another code path (docs/exactness.md)
-    weights = torch.stack([lse for _, lse in outs], -1).softmax(-1)  # [N, H, blocks]
+    # the blocks' weights exp(lse_b - total), computed so that every lane gets the same bits:
+    # eager, total = max + log(sum_b exp(lse_b - max)) of exp, log and reductions over the blocks
+    # (the CPU's logaddexp takes a call's last lanes another way: docs/exactness.md); compiled,
+    # by logaddexp, which inductor fuses alike for every lane (where it takes that sum otherwise)
+    if sums:
+        total = outs[0][1]
+        for _, lse in outs[1:]:
+            total = torch.logaddexp(total, lse)
+        weights = [(lse - total).exp() for _, lse in outs]
+    else:
+        lses = torch.stack([lse for _, lse in outs], -1)  # [N, H, blocks]
+        top = lses.amax(-1, keepdim=True)
+        total = top + (lses - top).exp().sum(-1, keepdim=True).log()
+        weights = (lses - total).exp().unbind(-1)
     y = 0
-    for b, (o, _) in enumerate(outs):
-        w = weights[..., b, None]  # [N, H, 1]
+    for (o, _), w in zip(outs, weights):
+        w = w[..., None]  # [N, H, 1]
         y = y + torch.where(w > 0, o.to(w.dtype), 0) * w
     return y.to(q.dtype)
 

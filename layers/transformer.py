@@ -59,10 +59,10 @@ def value_gate(h, weight):
     """Parcae's value-embedding gate, per kv head: 2 sigmoid(g) in (0, 2) of g = h W^T, read from
     the normed input h [..., N, D]; [..., N, Hkv]. Written so that a row's bits do not depend on
     its lane in the call (docs/exactness.md): the few outputs as products and sums (a matmul this
-    narrow gives a row other bits in another lane), and 2 sigmoid(g) as 1 + tanh(g / 2) (the CPU's
-    sigmoid takes the last elements of a tensor another way)."""
+    narrow gives a row other bits in another lane), and 2 sigmoid(g) as 2 / (1 + exp(-g)) (the CPU's
+    sigmoid, and a compiled tanh, take the last elements of a tensor another way)."""
     g = (h[..., None, :VE_GATE_CHANNELS] * weight).sum(-1)
-    return 1 + torch.tanh(g / 2)
+    return 2 / (1 + torch.exp(-g))
 
 
 def swiglu(h):
