@@ -389,6 +389,7 @@ class Decoder:
         lines[1].fill(0)
         if self.branching:  # each row's branch, and the (q, j) of its redirects: -1 for none
             lines[2:].fill(-1)
+        lowest = self.cache.scratch  # the first redirected position (scratch: none)
         for r in rows:
             lines[0, r.lane] = r.pos
             if second:
@@ -397,12 +398,12 @@ class Decoder:
                 lines[2, r.lane] = -1 if r.branch is None else r.branch
                 for i, (q, j) in enumerate(r.redirects()):
                     lines[3 + i, r.lane], lines[3 + width + i, r.lane] = q, j
+                    lowest = min(lowest, q)
         sent, branches = self.staging.send(), None
         if self.branching:
-            redirected = lines[3:3 + width][lines[3:3 + width] >= 0]
             # compiled: every block patched, one graph; eager: those from the first redirected
-            gather = (None if self.compiled else int(redirected.min()) // self.cache.block
-                      if len(redirected) else self.cache.scratch)  # (no block)
+            # (from scratch's block: none)
+            gather = None if self.compiled else lowest // self.cache.block
             branches = Branches(*sent[2:], gather)
         return sent[0], sent[1], branches, max(r.pos for r in rows)
 
