@@ -271,20 +271,26 @@ def attend_blocks(q, blocks, sums=False):
     if len(blocks) == 1:
         return block_attention(q, *blocks[0], need_lse=False, sums=sums)[0]
     outs = [block_attention(q, k, v, seen, need_lse=True, sums=sums) for k, v, seen in blocks]
-    # the blocks' weights exp(lse_b - total), computed so that every lane gets the same bits:
-    # eager, total = max + log(sum_b exp(lse_b - max)) of exp, log and reductions over the blocks
-    # (the CPU's logaddexp takes a call's last lanes another way: docs/exactness.md); compiled,
-    # by logaddexp, which inductor fuses alike for every lane (where it takes that sum otherwise)
+    # the blocks' weights exp(lse_b - total), computed so that every lane gets the same bits and
+    # blocks a row cannot see change nothing: eager, total = top + log(sum_b exp(lse_b - top)),
+    # the max and the sum folded block by block (elementwise exp, log and adds: the CPU's
+    # logaddexp takes a call's last lanes another way, and a reduction over a stacked block
+    # dimension adds in an order that depends on the call's block count: docs/exactness.md);
+    # compiled, by logaddexp, which inductor fuses alike for every lane
+    lses = [lse for _, lse in outs]
     if sums:
-        total = outs[0][1]
-        for _, lse in outs[1:]:
+        total = lses[0]
+        for lse in lses[1:]:
             total = torch.logaddexp(total, lse)
-        weights = [(lse - total).exp() for _, lse in outs]
     else:
-        lses = torch.stack([lse for _, lse in outs], -1)  # [N, H, blocks]
-        top = lses.amax(-1, keepdim=True)
-        total = top + (lses - top).exp().sum(-1, keepdim=True).log()
-        weights = (lses - total).exp().unbind(-1)
+        top = lses[0]
+        for lse in lses[1:]:
+            top = torch.maximum(top, lse)
+        mass = (lses[0] - top).exp()
+        for lse in lses[1:]:
+            mass = mass + (lse - top).exp()
+        total = top + mass.log()
+    weights = [(lse - total).exp() for lse in lses]
     y = 0
     for (o, _), w in zip(outs, weights):
         w = w[..., None]  # [N, H, 1]

@@ -288,25 +288,28 @@ def interrupt(cmd, ready):
 
 def test_an_interrupted_bench_keeps_its_answers_and_resumes(tmp_path, capsys):
     """SIGINT to a bench.py process after its first answer: status 130, one line, the finished
-    answers kept; --resume (run in this process) measures the rest, and refuses other flags."""
+    answers kept; --resume (run in this process) measures the rest, and refuses other flags. Twelve
+    prompts, so that the process is still running when the signal comes, on a busy machine too."""
+    n = 12
+    args = lambda *extra: bench_args(tmp_path, "--num-prompts", str(n), *extra)
     wfd_file = tmp_path / "ouro_A-wfd.jsonl"
-    status, err = interrupt([sys.executable, os.path.join(ROOT, "bench.py")] + bench_args(tmp_path),
+    status, err = interrupt([sys.executable, os.path.join(ROOT, "bench.py")] + args(),
                             lambda: wfd_file.exists() and wfd_file.stat().st_size)
     assert status == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("interrupted: the finished answers are in ")
-    lines = {n: (tmp_path / f"ouro_A-{n}.jsonl").read_text().splitlines()
-             for n in ("ar", "ar-wave", "wfd")}
+    lines = {m: (tmp_path / f"ouro_A-{m}.jsonl").read_text().splitlines()
+             for m in ("ar", "ar-wave", "wfd")}
     finished = len(lines["wfd"])
-    assert 1 <= finished < 3 and all(len(v) >= finished for v in lines.values())
-    bench.main(bench_args(tmp_path, "--resume"))
+    assert 1 <= finished < n and all(len(v) >= finished for v in lines.values())
+    bench.main(args("--resume"))
     out = capsys.readouterr().out
-    assert f"### overall (3 prompts, {finished} of them resumed from " in out
-    for n in ("ar", "ar-wave", "wfd"):
-        ids = [json.loads(line)["question_id"] for line in (tmp_path / f"ouro_A-{n}.jsonl").open()]
-        assert sorted(ids) == list(range(3)), n
+    assert f"### overall ({n} prompts, {finished} of them resumed from " in out
+    for m in ("ar", "ar-wave", "wfd"):
+        ids = [json.loads(line)["question_id"] for line in (tmp_path / f"ouro_A-{m}.jsonl").open()]
+        assert sorted(ids) == list(range(n)), m
     assert "| WFD | 4 |" in out and "| 100% |" in out
     with pytest.raises(SystemExit) as exit:
-        bench.main(bench_args(tmp_path, "--resume", "--max-new-tokens", "21"))
+        bench.main(args("--resume", "--max-new-tokens", "21"))
     assert exit.value.code == 2 and "holds answers of another run" in capsys.readouterr().err
 
 
@@ -388,8 +391,9 @@ def test_a_batched_run_resumes_with_fewer_prompts_left_than_slots(tmp_path, caps
 
 
 def test_an_interrupted_run_py_is_one_line_and_status_130():
+    # float64 on one thread: about 2.5 s of decoding left when the signal is sent
     cmd = [sys.executable, os.path.join(ROOT, "run.py"), "--prompt", "def f(x):",
-           "--max-new-tokens", "200"]
+           "--max-new-tokens", "200", "--dtype", "float64", "--threads", "1"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     assert p.stdout.read(9) == b"def f(x):"  # streaming has begun
     p.send_signal(signal.SIGINT)
