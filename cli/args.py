@@ -1,5 +1,6 @@
 """The flags run.py and bench.py share, and their one rule for errors: every mistake in the user's
-input is one line on stderr and exit status 2 (Ctrl-C: one line and 130); a traceback is a bug."""
+input is one line on stderr and exit status 2 (Ctrl-C: one line and 130; a closed pipe, as in
+`run.py ... | head`: nothing, and 141 as a process SIGPIPE ends); a traceback is a bug."""
 import argparse
 import functools
 import os
@@ -23,12 +24,17 @@ class Parser(argparse.ArgumentParser):
 def one_line_errors(main):
     """main, with every error in the user's input (arguments, files, configs, weights, devices, the
     hub: the ValueErrors and OSErrors this project raises for them) and running out of memory
-    reported as one line on stderr and exit status 2, and Ctrl-C as one line and status 130. Any
-    other exception is a bug, and keeps its traceback."""
+    reported as one line on stderr and exit status 2, and Ctrl-C as one line and status 130. A
+    reader that closed the output (`| head`) ends it quietly, with the status a process SIGPIPE
+    ends has (141). Any other exception is a bug, and keeps its traceback."""
     @functools.wraps(main)
     def wrapped(argv=None):
         try:
             return main(argv)
+        except BrokenPipeError:
+            # stdout's buffer cannot be written at exit either: point it at /dev/null
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)
         except (ValueError, OSError) as err:
             print("error: " + " ".join(str(err).split()), file=sys.stderr)
             sys.exit(2)

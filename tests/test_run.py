@@ -182,6 +182,20 @@ def test_no_traceback_at_the_process_level(damaged):
         assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
 
 
+def test_a_closed_pipe_ends_quietly():
+    """`run.py ... | head -c 9`: the reader closes the pipe mid-stream; run.py stops with nothing on
+    stderr and the status of a process that SIGPIPE ends (141), as a shell pipeline expects.
+    float64 on one thread: seconds of decoding left when the pipe closes."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), "--prompt", "def f(x):",
+                          "--max-new-tokens", "200", "--dtype", "float64", "--threads", "1"],
+                         cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(9) == b"def f(x):"
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == "", err
+
+
 def strict(line):
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
