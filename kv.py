@@ -272,25 +272,23 @@ def attend_blocks(q, blocks, sums=False):
         return block_attention(q, *blocks[0], need_lse=False, sums=sums)[0]
     outs = [block_attention(q, k, v, seen, need_lse=True, sums=sums) for k, v, seen in blocks]
     # the blocks' weights exp(lse_b - total), computed so that every lane gets the same bits and
-    # blocks a row cannot see change nothing: eager, total = top + log(sum_b exp(lse_b - top)),
-    # the max and the sum folded block by block (elementwise exp, log and adds: the CPU's
-    # logaddexp takes a call's last lanes another way, and a reduction over a stacked block
-    # dimension adds in an order that depends on the call's block count: docs/exactness.md);
+    # blocks a row cannot see change nothing: eager, total = top + log(sum_b exp(lse_b - top)) of
+    # elementwise ops and a max (exact in any order) over the stacked blocks, the sum added block
+    # by block (the CPU's logaddexp takes a call's last lanes another way, and a sum over the
+    # stacked blocks adds in an order that depends on the call's block count: docs/exactness.md);
     # compiled, by logaddexp, which inductor fuses alike for every lane
-    lses = [lse for _, lse in outs]
     if sums:
-        total = lses[0]
-        for lse in lses[1:]:
+        total = outs[0][1]
+        for _, lse in outs[1:]:
             total = torch.logaddexp(total, lse)
+        weights = [(lse - total).exp() for _, lse in outs]
     else:
-        top = lses[0]
-        for lse in lses[1:]:
-            top = torch.maximum(top, lse)
-        mass = (lses[0] - top).exp()
-        for lse in lses[1:]:
-            mass = mass + (lse - top).exp()
-        total = top + mass.log()
-    weights = [(lse - total).exp() for lse in lses]
+        lses = torch.stack([lse for _, lse in outs], -1)  # [N, H, blocks]
+        top = lses.amax(-1, keepdim=True)
+        mass, *rest = (lses - top).exp().unbind(-1)
+        for m in rest:
+            mass = mass + m
+        weights = (lses - (top + mass.log()[..., None])).exp().unbind(-1)
     y = 0
     for (o, _), w in zip(outs, weights):
         w = w[..., None]  # [N, H, 1]
