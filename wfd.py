@@ -407,6 +407,12 @@ class Decoder:
             branches = Branches(*sent[2:], gather)
         return sent[0], sent[1], branches, max(r.pos for r in rows)
 
+    def probe(self, top):
+        """The staged lines of a call with one row, at position top with depth and token 0, the
+        other lanes idle: what compiling.warm_up runs each graph on, staged as every call is, so
+        that the decode meets the graphs it made (shapes, strides, Branches)."""
+        return self.stage([Row(top, 0, lane=0)])
+
     def lane_of(self, pos):
         """The lane, within its slot's, of a row at position pos, unless a row of its sequence's
         call holds it."""

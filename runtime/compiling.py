@@ -6,8 +6,6 @@ from functools import partial
 import torch
 from torch._dynamo.utils import counters
 
-import kv
-
 
 def compiled(model, fn, room=0):
     """fn, device work of the model, compiled once for every later generation: on CUDA a CUDA graph
@@ -56,14 +54,11 @@ def warm_up(dec):
         top = min(blocks * cache.block, cache.capacity) - 1
         if top < 1:  # position 0 is the prefill's
             continue
-        pos = torch.tensor([top] + [-1] * (dec.lanes - 1), device=model.device)
-        depth, ids = torch.zeros_like(pos), torch.zeros_like(pos)
-        none = torch.full((dec.lanes, dec.width), -1, device=model.device)  # no branch read
-        branches = kv.Branches(pos * 0 - 1, none, none, dec.cache.scratch) if dec.branching else None
+        pos, zeros, branches, _ = dec.probe(top)  # zeros: its ids and its depths
         call = model.to_device(pos, None, cache, True, top)._replace(branches=branches)
         for _ in range(3):
-            dec.start_call(model, ids, call, dec.s, dec.e)
-            model.R(dec.s, dec.e, pos, depth, cache, compiled=True, top=top, branches=branches)
+            dec.start_call(model, zeros, call, dec.s, dec.e)
+            model.R(dec.s, dec.e, pos, zeros, cache, compiled=True, top=top, branches=branches)
             dec.read_call(model, dec.s, dec.e, call, dec.sampler, salt=dec.salt)
 
 

@@ -240,6 +240,7 @@ def test_compiled_siblings_compile_nothing_and_equal_compiled_ar(kind, dtype, ca
     assert wfd.compile_graphs(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
                               capacity=capacity) > 0
     ref = run("ar")
+    assert ref.stats["graphs_compiled"] == 0
     for sampling in (dict(), dict(temperature=0.8, seed=2)):
         ar = run("ar", **sampling) if sampling else ref
         out = run("wfd", draft_hook=forced(ref.tokens, prompt, V), **sampling)
