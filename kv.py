@@ -304,7 +304,7 @@ class SharedStep(Step):
     final_col: torch.Tensor = None   # [N] each row's final-depth column (at depth T - 1; scratch)
     window_col: torch.Tensor = None  # [N, window] the ring entries of positions p - window < q <= p
     window_seen: Mask = None         # which of them are positions (>= 0)
-    older: list = ()                 # (k, v, Mask, cols) of the final-depth keys up to p - window
+    older: list = ()                 # key_blocks of the final-depth keys up to p - window
 
 
 class SharedKVCache(KVCache):

@@ -144,7 +144,8 @@ class Sequence:
         first = parent.children[:1] == [kept]
         if parent.children:
             self.stats["accepted" if first else "rescued" if kept else "rejected"] += 1
-        self.mark("accepted" if first else "rescued", *[kept] * (kept is not None))
+        if kept is not None:
+            self.mark("accepted" if first else "rescued", kept)
         self.mark("rejected", *[c for c in parent.children if c is not kept])
         return kept
 
