@@ -50,7 +50,7 @@ from cli.output import finite, token_match
 from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
 from formats.checkpoints import load_tokenizer, read_json
-from runtime import checks
+from runtime import checks, decoder
 
 # name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must
 # equal). Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision");
@@ -202,8 +202,8 @@ def summarize(recs):
     """recs: one result per prompt for one method -> the table's figures."""
     st = [r["stats"] for r in recs]
     tokens, accepted = sum(s["tokens"] for s in st), sum(s["accepted"] for s in st)
-    rescued = sum(s.get("rescued", 0) for s in st)
-    verified = accepted + rescued + sum(s["rejected"] for s in st)
+    rescued, verified = (sum(s[key] for s in st) for key in ("rescued", "verified"))
+    verifies = accepted + rescued + sum(s["rejected"] for s in st)
     # a batch's speed is its throughput: every token over the batched calls' time (a resumed run's
     # prompts come from more than one call)
     # per call: its time; the graphs it compiled
@@ -218,8 +218,9 @@ def summarize(recs):
     return dict(tok_s=tok_s, decode_tok_s=mean([r["decode_tok_s"] for r in recs]),
                 per_round=tokens / (tokens - accepted),
                 acceptance=accepted / verified if verified else float("nan"),
-                rescues=(rescued / verified if verified and st[0].get("second_depth")
+                rescues=(rescued / verifies if verifies and st[0].get("second_depth")
                          else float("nan")),
+                accepts=accepted / verifies if verifies else float("nan"),  # of the verifies
                 r_per_token=sum(s["r_calls"] for s in st) / tokens,
                 r_per_decoded=(sum(s["r_calls"] - s["num_steps"] for s in st)
                                / max(1, tokens - len(st))),
@@ -384,7 +385,7 @@ def run_sweep(model, model_id, names, args, argv, log):
                 rescues=f["rescues"], tokens_per_round=f["per_round"], kv_mib=f["kv_mib"],
                 identical=f["identical"], measured_at_point=reused.get(n, (j,))[0],
                 **({} if n != "wfd-2" else dict(r_calls_formula=figures.second_proposal_calls(
-                    T, k, a.second_depth, f["acceptance"], f["rescues"]))),
+                    T, k, a.second_depth, f["accepts"], f["rescues"]))),
             )) for n, f in figs.items()})))
     again = None
     if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
@@ -412,7 +413,7 @@ def calls_return_at_once(model, ticks):
     return outputs of the same shapes at once, so that what is left of a generation's time is the
     host's: the schedules, the Decoder, the transfers. ticks: a list that counts the R calls after
     the prefill (each appends one)."""
-    saved = wfd.start_body, model.r_body, wfd.read_body
+    saved = decoder.start_body, model.r_body, decoder.read_body
     outputs = {}
 
     def made(key, make):
@@ -434,11 +435,11 @@ def calls_return_at_once(model, ticks):
             s.new_zeros(n, model.args.vocab_size, dtype=torch.float32),
             torch.stack([s.new_zeros(n, dtype=torch.int64), s.new_ones(n, dtype=torch.int64)]
                         + [s.new_zeros(n, dtype=torch.int64)] * (lines - 2))))
-    wfd.start_body, model.r_body, wfd.read_body = start_body, r_body, read_body
+    decoder.start_body, model.r_body, decoder.read_body = start_body, r_body, read_body
     try:
         yield
     finally:
-        wfd.start_body, model.r_body, wfd.read_body = saved
+        decoder.start_body, model.r_body, decoder.read_body = saved
 
 
 def host_time(model, args, log):
@@ -807,12 +808,12 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               f"measured: {ar['r_per_token'] / wave['r_per_token']:.2f}x")
     if "wfd-2" in figs and not math.isnan(figs["wfd-2"]["acceptance"]):
         two, m = figs["wfd-2"], args.second_depth
-        a, r = two["acceptance"], two["rescues"]
+        a, r = two["accepts"], two["rescues"]
         calls = figures.second_proposal_calls(T, k, m, a, r)
         print(f"\nSecond proposal at m={m}: {two['r_per_token']:.2f} R calls per token measured "
               f"(prefill included; {two['r_per_decoded']:.2f} per token after the first, the "
               f"prefill aside), {calls:.2f} by a*k + r*m + (1-a-r)*T at the measured "
-              f"acceptance a={a:.3f} and rescues r={r:.3f} (an ideal speedup of "
+              f"shares of the verifies accepted a={a:.3f} and rescued r={r:.3f} (an ideal speedup of "
               f"{T / calls:.2f}x); WFD-2 at {two['tok_s'] / ar['tok_s']:.2f}x AR; its branch "
               f"columns: {two['branch_kib']:.1f} KiB of its {two['kv_mib']:.1f} MiB of KV")
     if args.compile:

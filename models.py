@@ -182,7 +182,7 @@ class LoopedLM(nn.Module):
     def P(self, ids, pos, cache=None, compiled=False, top=None):
         """The rows' e and initial state s0 (e None where R reads no e: Ouro, LoopFormer).
         (Compiled decoding compiles p_body with the rows' entry into their lanes:
-        wfd.start_body.)"""
+        runtime.decoder.start_body.)"""
         return self.p_body(ids if top is not None else ids.to(self.device),
                            self.to_device(pos, None, cache, compiled, top))
 
@@ -202,7 +202,7 @@ class LoopedLM(nn.Module):
     def C(self, s, e, pos, cache=None, rows=None, top=None):
         """Logits (float32) for `rows` of the batch (default all). The coda runs on every row, since
         it writes coda KV that later positions read. (Compiled decoding compiles c_body with the
-        choice of tokens: wfd.read_body.)"""
+        choice of tokens: runtime.decoder.read_body.)"""
         return self.c_body(s, e, self.to_device(pos, None, cache, top=top), rows)
 
     def to_device(self, pos, depth, cache, compiled=False, top=None):

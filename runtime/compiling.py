@@ -45,7 +45,7 @@ def replay(graphed, *args, **kwargs):
 
 
 def warm_up(dec):
-    """Every graph a compiled generation of wfd.Decoder `dec` can meet: P, R and C once for
+    """Every graph a compiled generation of runtime.decoder.Decoder `dec` can meet: P, R and C once for
     each number of key blocks a call can read (kv.KVCache.buckets), as a call whose furthest row
     reaches them; three calls each (on CUDA the first warms up and the second records the CUDA
     graph). Their writes land in the static cache, which every generation zeroes."""
@@ -54,11 +54,12 @@ def warm_up(dec):
         top = min(blocks * cache.block, cache.capacity) - 1
         if top < 1:  # position 0 is the prefill's
             continue
-        pos, zeros, branches, _ = dec.probe(top)  # zeros: its ids and its depths
-        call = model.to_device(pos, None, cache, True, top)._replace(branches=branches)
+        sent, branches, _ = dec.probe(top)  # sent.second: its ids and its depths, zeros
+        call = dec.call(sent, top, branches)
         for _ in range(3):
-            dec.start_call(model, zeros, call, dec.s, dec.e)
-            model.R(dec.s, dec.e, pos, zeros, cache, compiled=True, top=top, branches=branches)
+            dec.start_call(model, sent.second, call, dec.s, dec.e)
+            model.R(dec.s, dec.e, sent.pos, sent.second, cache, compiled=True, top=top,
+                    branches=branches)
             dec.read_call(model, dec.s, dec.e, call, dec.sampler, salt=dec.salt)
 
 

@@ -10,8 +10,9 @@ import torch
 
 
 class Staging:
-    """Per-call int64 inputs for the device: `next()` hands out host arrays (numpy views) for the
-    host to fill, `send()` returns them on the device. On CUDA the host arrays are pinned memory, a
+    """Per-call int64 inputs for the device: `next()` hands out a chunk of host arrays (numpy) for
+    the host to fill, `send()` returns it on the device, both as views(chunk) (default: a tuple of
+    its lines). On CUDA the host arrays are pinned memory, a
     ring of `ring` chunks copied with non_blocking=True; a chunk is filled again only after its copy
     has run (its event), since the device may be several calls behind. On a CPU the host array
     is the device tensor itself, used by the call before the next one is filled."""
@@ -20,24 +21,24 @@ class Staging:
         self.cuda = device.type == "cuda"
         ring = ring if self.cuda else 1
         self.host = torch.zeros(ring, rows, size, dtype=torch.int64, pin_memory=self.cuda)
-        self.arrays = self.host.numpy()
-        # what send() returns of each chunk on the device, views(chunk) (default: its lines),
-        # made once: views cost microseconds of host time
+        # each chunk's views, on the host to fill and on the device to read, made once: views
+        # cost microseconds of host time
+        self.filling = [views(chunk) for chunk in self.host.numpy()]
         self.device = torch.empty_like(self.host, device=device) if self.cuda else self.host
         self.lines = [views(chunk) for chunk in self.device]
         self.events = [None] * ring
         self.i = 0
 
     def next(self):
-        """The next chunk's host arrays, [rows, size] (numpy, int64), to fill before send()."""
-        self.i = (self.i + 1) % len(self.arrays)
+        """The next chunk's host arrays (numpy, int64, views of its [rows, size]), to fill before
+        send()."""
+        self.i = (self.i + 1) % len(self.filling)
         if self.events[self.i] is not None:
             self.events[self.i].synchronize()  # a copy issued `ring` calls ago: long done
-        return self.arrays[self.i]
+        return self.filling[self.i]
 
     def send(self):
-        """The chunk filled since next(), on the device, as views(chunk): by default a tuple of
-        its lines."""
+        """The chunk filled since next(), on the device, as views(chunk)."""
         if self.cuda:  # stream-ordered: the calls that read this chunk's last copy came before
             self.device[self.i].copy_(self.host[self.i], non_blocking=True)
             self.events[self.i] = torch.cuda.Event()

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 import models
 import wfd
 from test_wfd import DEVICE, GOLDEN, poison_masked_columns, same_logits, tiny_config, tiny_model
-from runtime import compiling, memory
+from runtime import compiling, decoder, memory
 
 
 @pytest.mark.slow
@@ -60,7 +60,7 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
                                init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
     model._compiled = {fn: compiling.compile_call(fn, graphs=True)
-                       for fn in (model.r_body, wfd.read_body)}
+                       for fn in (model.r_body, decoder.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):

@@ -22,6 +22,7 @@ import models
 import wfd
 from formats import checkpoints, configs
 from layers import transformer
+from runtime import decoder
 from test_batch import check_against_batched_ar, prompts_for
 from test_wfd import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits, tiny_model
 
@@ -697,7 +698,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     and DtV."""
     model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
     T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
-    prefill, fetch = wfd.Decoder.prefill, wfd.fetch
+    prefill, fetch = decoder.Decoder.prefill, decoder.fetch
 
     def in_prefill(self, *args):
         prefilling[0] = True
@@ -705,7 +706,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
             return prefill(self, *args)
         finally:
             prefilling[0] = False
-    monkeypatch.setattr(wfd.Decoder, "prefill", in_prefill)
+    monkeypatch.setattr(decoder.Decoder, "prefill", in_prefill)
     for name in HOST_READS:
         method = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda t, *a, method=method, name=name, **kw: (
@@ -714,7 +715,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (
         made.append(1) if not prefilling[0] else None) or tensor(*a, **kw))
     fetched = []
-    monkeypatch.setattr(wfd, "fetch", lambda t: (
+    monkeypatch.setattr(decoder, "fetch", lambda t: (
         fetched.append(1) if not prefilling[0] else None) or fetch(t))
     runs = [([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
             ([5, 9], "dtv", dict(temperature=0.8, seed=1))]

@@ -1,4 +1,4 @@
-"""Tests of sampling (wfd.choose): the hashed noise, the distribution it draws from, and every
+"""Tests of sampling (sampling.choose): the hashed noise, the distribution it draws from, and every
 schedule token-exact against AR sampling with the same seed."""
 import json
 import os
@@ -50,36 +50,36 @@ def test_mix32_is_lowbias32_on_the_whole_32_bit_range():
 def test_noise_is_a_function_of_seed_position_and_token_alone():
     for vocab in (37, 2048, 50257):
         pos = torch.tensor([0, 5, 6, 130, 2**31 - 1])
-        batch = sampling.gumbel(wfd.seed_key(4), pos, vocab)
+        batch = sampling.gumbel(sampling.seed_key(4), pos, vocab)
         # bit for bit whichever batch the row comes in, and wherever in it
         for i in range(len(pos)):
-            assert torch.equal(sampling.gumbel(wfd.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
+            assert torch.equal(sampling.gumbel(sampling.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
             assert torch.equal(
-                sampling.gumbel(wfd.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
-        assert torch.equal(sampling.gumbel(wfd.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
+                sampling.gumbel(sampling.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
+        assert torch.equal(sampling.gumbel(sampling.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
         logits = torch.randn(len(pos), vocab, generator=torch.Generator().manual_seed(vocab))
         for s in SETTINGS:
-            both = wfd.choose(logits, pos, wfd.Sampling(**s))
-            alone = [int(wfd.choose(logits[i:i + 1], pos[i:i + 1], wfd.Sampling(**s))[0])
+            both = sampling.choose(logits, pos, sampling.Sampling(**s))
+            alone = [int(sampling.choose(logits[i:i + 1], pos[i:i + 1], sampling.Sampling(**s))[0])
                      for i in range(len(pos))]
             assert both.tolist() == alone
 
 
 def test_noise_uniforms_are_uniform_and_independent():
     pos = torch.arange(64)
-    g = sampling.gumbel(wfd.seed_key(0), pos, 2048)
+    g = sampling.gumbel(sampling.seed_key(0), pos, 2048)
     u = torch.exp(-torch.exp(-g))  # back to the hash's uniforms
     assert 0 < u.min() and u.max() < 1
     counts = torch.bincount((u * 100).long().flatten(), minlength=100)
     assert chi_square_p(counts, torch.full((100,), 0.01, dtype=torch.float64)) > 1e-6
     corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
     others = [u[:, 1:], u[1:, :]] + [
-        torch.exp(-torch.exp(-sampling.gumbel(wfd.seed_key(s), pos, 2048))) for s in (1, 2**40)]
+        torch.exp(-torch.exp(-sampling.gumbel(sampling.seed_key(s), pos, 2048))) for s in (1, 2**40)]
     # neighbouring tokens, neighbouring positions, other seeds (a large one too)
     for other in others:
         assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
     keys = [0, 1, 2**32, 2**32 + 1, 2**64, 2**40]  # large seeds do not wrap onto small ones
-    draws = [sampling.gumbel(wfd.seed_key(s), pos, 2048) for s in keys]
+    draws = [sampling.gumbel(sampling.seed_key(s), pos, 2048) for s in keys]
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
 
 
@@ -118,8 +118,8 @@ DRAWS = 3000
 def first_tokens(sampling_args):
     """The token at one fixed position, drawn with seeds 0..DRAWS-1."""
     pos = torch.tensor([7])
-    return torch.tensor([int(wfd.choose(LOGITS[None], pos,
-                                        wfd.Sampling(**sampling_args, seed=s))[0])
+    return torch.tensor([int(sampling.choose(LOGITS[None], pos,
+                                        sampling.Sampling(**sampling_args, seed=s))[0])
                          for s in range(DRAWS)])
 
 
@@ -158,7 +158,7 @@ def test_temperature_zero_is_greedy_and_a_seed_gives_its_tokens():
     assert greedy.tokens == [int(x.argmax()) for x in greedy.logits]
     assert wfd.generate(model, prompt, 30, temperature=0.0, seed=5).tokens == greedy.tokens
     logits = torch.stack(greedy.logits)
-    assert torch.equal(wfd.choose(logits, torch.arange(30), wfd.Sampling()), logits.argmax(-1))
+    assert torch.equal(sampling.choose(logits, torch.arange(30), sampling.Sampling()), logits.argmax(-1))
     runs = [wfd.generate(model, prompt, 30, temperature=1.0, seed=s).tokens for s in (0, 0, 1)]
     assert runs[0] == runs[1] and runs[0] != runs[2] and runs[0] != greedy.tokens
 

@@ -10,6 +10,7 @@ import torch
 
 import kv
 import wfd
+from runtime import decoder
 from layers.transformer import VE_GATE_CHANNELS, value_gate
 from test_batch import prompts_for
 from test_families import KINDS, tiny_family
@@ -88,6 +89,36 @@ def test_siblings_equal_ar_greedy_sampled_and_forced(kind, dtype):
         out = siblings(model, prompt, n_new, k, m, draft_hook=hook, width=2 * T)  # room for all
         assert out.stats["rescued"] > 0 and out.stats["rejected"] > 0, (k, m, out.stats)
         assert out.stats["proposed"] >= out.stats["rescued"]
+
+
+def test_each_verify_is_counted_by_the_depth_its_kept_token_came_from():
+    """drafted: rows from the draft depth k; proposed: from the second depth m; a verify keeps a
+    draft (accepted), a second proposal (rescued) or neither (rejected); acceptance = accepted /
+    verified drafts. With every draft forced wrong and every second proposal right, nothing is
+    accepted, even where the lanes were full at depth k and a row's only child came from depth m
+    (Huginn's T = 4, k = 1, m = 2, 5 lanes); with every draft right, every verify accepts one."""
+    model = tiny_model("huginn", 0)
+    T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [3, 1, 4, 1, 5], 40
+    assert T == 4
+    ref = wfd.generate(model, prompt, n_new, method="ar").tokens
+    for right in (False, True):
+        calls = {None: 0, 2: 0}
+
+        def hook(pos, token, depth=None):
+            calls[depth] += 1
+            want = ref[pos - len(prompt)]
+            return want if right or depth else (want + 1) % V
+        out = wfd.generate(model, prompt, n_new, draft_steps=1, second_depth=2, width=5,
+                           draft_hook=hook)
+        st, verifies = out.stats, n_new - 2  # every committed token but the prefill's and the last
+        assert out.tokens == ref and st["drafted"] == calls[None]
+        assert st["accepted"] + st["rescued"] + st["rejected"] == verifies, st
+        if right:
+            assert st["accepted"] == st["verified"] == verifies and st["acceptance"] == 1, st
+            assert st["proposed"] == st["rescued"] == 0, st
+        else:
+            assert st["accepted"] == 0 == st["acceptance"] and st["rescued"] == verifies, st
+            assert 0 < st["verified"] < verifies and st["proposed"] == calls[2], st
 
 
 @pytest.mark.parametrize("kind,dtype", quick([(k, d) for k in FAMILIES[:3]
@@ -183,7 +214,7 @@ def test_a_rows_bits_do_not_depend_on_its_lane(kind, dtype, monkeypatch):
                                       keep_logits=True)
     refs = {method: run(method) for method in ("ar", "wfd")}
     for shift in (1, 4, 7, 11):
-        monkeypatch.setattr(wfd.Decoder, "lane_of", lambda self, pos: (pos + shift) % self.width)
+        monkeypatch.setattr(decoder.Decoder, "lane_of", lambda self, pos: (pos + shift) % self.width)
         for method, ref in refs.items():
             assert same_logits(run(method), ref), (method, shift)
 
