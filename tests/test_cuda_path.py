@@ -91,10 +91,11 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
     waits, replays = imitation
     model = model_of(kind, FAMILIES.index(kind), torch.float32)
     T, V = model.num_steps, model.args.vocab_size
-    batched = case == "batched"
-    prompts = prompts_for(model, 3, 1, longest=4) if batched else [3, 1, 4]
-    k, n_new = 1, 11  # positions up to 15: one key block, then two
-    kw = dict(capacity=16, draft_steps=k, keep_logits=True,
+    batched, quick = case == "batched", QUICK[kind] == case
+    prompts = prompts_for(model, 3, 1, longest=3) if batched else [3, 1, 4]
+    # positions up to 15, one key block then two; quick: up to 7, one (half the graphs to compile)
+    k, n_new, capacity = 1, 5 if quick else 11, 8 if quick else 16
+    kw = dict(capacity=capacity, draft_steps=k, keep_logits=True,
               **dict(greedy={}, sampled=dict(temperature=0.8, top_k=20, seed=5),
                      second=dict(second_depth=T - 1), batched=dict(batch_size=2),
                      shared=dict(kv="shared"))[case])
@@ -105,7 +106,7 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
     outs = {"wfd": run("wfd", draft_hook=hook)}
     width = (outs["wfd"][0] if batched else outs["wfd"]).stats["width"]
     if case == "greedy":
-        outs["dtv"] = run("dtv", draft_hook=hook, width=width)
+        outs["dtv"] = run("dtv", draft_hook=hook, width=width, draft_len=width - 1)
     ar = run("ar", width=width)
     kw.pop("second_depth", None)
     eager = wfd.generate(model, prompts, n_new, method="ar", **kw)
