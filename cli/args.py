@@ -115,10 +115,11 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
 
 def resolve_compile(args):
     """--compile and --eager: compiled on CUDA unless --eager (eager, every call is thousands of
-    kernel launches, and the GPU waits for the host), eager on a CPU unless --compile."""
+    kernel launches, and the GPU waits for the host), eager on a CPU unless --compile. CUDA: any
+    of its devices (cuda, cuda:1)."""
     if args.compile and args.eager:
         raise ValueError("--compile and --eager contradict each other: give one")
-    args.compile = args.compile or (args.device == "cuda" and not args.eager)
+    args.compile = args.compile or (torch.device(args.device).type == "cuda" and not args.eager)
 
 
 def compiling_line(graphs, seconds, device):

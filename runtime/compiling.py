@@ -6,13 +6,15 @@ from functools import partial
 import torch
 from torch._dynamo.utils import counters
 
+from runtime import transfers
+
 
 def compiled(model, fn, room=0):
     """fn, device work of the model, compiled once for every later generation: on CUDA a CUDA graph
     per shape, on a CPU a C++ wrapper (quicker to enter). room: the graphs fn may still add in the
     caller's generation."""
     if fn not in model._compiled:
-        model._compiled[fn] = compile_call(fn, graphs=model.device.type == "cuda")
+        model._compiled[fn] = compile_call(fn, graphs=model.device.type in transfers.CUDA_PATH)
     if room:
         make_room(fn, room)
     return model._compiled[fn]
@@ -38,10 +40,13 @@ def make_room(fn, graphs):
 
 def replay(graphed, *args, **kwargs):
     """A call of a CUDA-graphed function: its outputs live in memory that the next replay
-    overwrites, so the caller gets copies."""
+    overwrites, so the caller gets copies (a tuple's tensors each; its Nones, such as start_body's
+    e in a family without one, as they are)."""
     torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are dead: copied out
     out = graphed(*args, **kwargs)
-    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+    if isinstance(out, tuple):
+        return tuple(None if t is None else t.clone() for t in out)
+    return out.clone()
 
 
 def warm_up(dec):
@@ -69,7 +74,7 @@ def cuda_graph_counts(device):
     address, where it is not guarded), and inductor skips graphs it cannot take (they run
     without CUDA graphs). Both must stay 0 while a compiled generation runs."""
     skipped = counters["inductor"]["cudagraph_skips"]
-    if device.type != "cuda":
+    if device.type not in transfers.CUDA_PATH:
         return 0, skipped
     from torch._inductor import cudagraph_trees
     manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)

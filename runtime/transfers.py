@@ -8,19 +8,36 @@ memory copied without blocking, and reads back once per tick (`fetch`: the token
 counting it."""
 import torch
 
+# the device types that take the CUDA path: staging through a ring of chunks with events (below),
+# compiled calls replaying CUDA graphs (runtime.compiling). The tests' imitation of that path on a
+# CPU (tests/test_cuda_path.py) adds "cpu"; the CPU path is otherwise never told from it.
+CUDA_PATH = {"cuda"}
+
+
+def cuda_event(device):
+    """An event recorded, now, on `device`'s current stream: the stream that a copy to that device
+    just issued runs on, whichever device is current."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
 
 class Staging:
     """Per-call int64 inputs for the device: `next()` hands out a chunk of host arrays (numpy) for
     the host to fill, `send()` returns it on the device, both as views(chunk) (default: a tuple of
-    its lines). On CUDA the host arrays are pinned memory, a
-    ring of `ring` chunks copied with non_blocking=True; a chunk is filled again only after its copy
-    has run (its event), since the device may be several calls behind. On a CPU the host array
-    is the device tensor itself, used by the call before the next one is filled."""
+    its lines). On the CUDA path the host arrays are a ring of `ring` chunks (pinned memory on
+    CUDA) copied with non_blocking=True; a chunk is filled again only after its copy has run (the
+    event `record(device)` made as it was issued), since the device may be several calls behind.
+    On a CPU the host array is the device tensor itself, used by the call before the next one is
+    filled."""
+    ring = 64
+    record = staticmethod(cuda_event)
 
-    def __init__(self, device, rows, size, ring=64, views=tuple):
-        self.cuda = device.type == "cuda"
-        ring = ring if self.cuda else 1
-        self.host = torch.zeros(ring, rows, size, dtype=torch.int64, pin_memory=self.cuda)
+    def __init__(self, device, rows, size, views=tuple):
+        self.cuda = device.type in CUDA_PATH
+        ring = self.ring if self.cuda else 1
+        self.host = torch.zeros(ring, rows, size, dtype=torch.int64,
+                                pin_memory=device.type == "cuda")
         # each chunk's views, on the host to fill and on the device to read, made once: views
         # cost microseconds of host time
         self.filling = [views(chunk) for chunk in self.host.numpy()]
@@ -41,8 +58,7 @@ class Staging:
         """The chunk filled since next(), on the device, as views(chunk)."""
         if self.cuda:  # stream-ordered: the calls that read this chunk's last copy came before
             self.device[self.i].copy_(self.host[self.i], non_blocking=True)
-            self.events[self.i] = torch.cuda.Event()
-            self.events[self.i].record()
+            self.events[self.i] = self.record(self.device.device)
         return self.lines[self.i]
 
 

@@ -6,21 +6,26 @@
 # step, its status and seconds), and a step whose estimate no longer fits the time left is skipped
 # (named on stderr), so a run cut short keeps what it measured. Random weights are drawn on the
 # GPU. Estimates on an H200 (not yet measured: no GPU has been lent), compiling included:
-#   tests     the cuda tests that matter, without -x: CUDA graphs taken and never re-recorded,
-#             static KV buffers kept, one blocking transfer per tick, compiled WFD == compiled AR
-#             across every key bucket, a row's bits independent of its lane (what the second
-#             proposal rests on) and the second proposal compiled, eager WFD == AR on SDPA's
-#             fused kernels                                                                ~170 s
+#   cuda-path the imitation's cases for real (tests/test_cuda_path.py on cuda: CUDA graphs through
+#             compiling.replay, pinned staging in a ring of 2 with CUDA events, the CUDA-graph
+#             counters): every family equal to compiled AR and eager AR's tokens, each of greedy,
+#             sampled, second proposal, batched with refill and shared KV in one family  ~115 s
+#   tests     the other cuda tests that matter, without -x: static KV buffers kept, CUDA graphs
+#             taken, one blocking transfer per tick, compiled WFD == compiled AR across every key
+#             bucket, a row's bits independent of its lane (what the second proposal rests
+#             on), eager WFD == AR on SDPA's fused kernels                                  ~90 s
 #   huginn-c  huginn-0125 config, bf16, emulated acceptance 0.94, AR and WFD, 64 new tokens,
 #             compiled (CUDA graphs; fails when a timed run compiled or re-recorded a graph) ~110 s
 #   ouro-c    the same for Ouro-2.6B at acceptance 0.92 (its 48-layer R graph)            ~130 s
-#   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed)           ~30 s
+#   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed), ~30 s: STEPS only
 #   ouro      ouro-c eager (6,941 per R call)                                              ~35 s
 #   batch     the batch sweep (--batch-sizes 1,4) on huginn-0125, compiled, 32 tokens     ~40 s
 #   parcae    parcae-1.3b, compiled, acceptance 0.9                                        ~20 s
 #   paper     bench.py --paper, compiled, one prompt per category, 64 tokens, its answers kept, on
 #             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)
 #             ~90 s each (none without PAPER_MODELS)
+#   cuda-matrix  the whole matrix of cuda-path (every family x every case), ~10 min: by STEPS
+#             only, a lent run of its own
 #   scripts/gpu_check.sh               the steps above (STEPS="huginn-c ouro-c": those alone)
 #   scripts/gpu_check.sh --smoke       every step small on the CPU, in seconds, and a check that
 #                                      the estimates above fit the budget (tests/test_bench.py)
@@ -29,9 +34,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."  # the project
 PY=${PYTHON:-python}
 RESULTS=${RESULTS:-gpu_results}
-ALL="tests huginn-c ouro-c huginn ouro batch parcae paper"
-declare -A ESTIMATE=([tests]=170 [huginn-c]=110 [ouro-c]=130 [huginn]=30 [ouro]=35 [batch]=40
-                     [parcae]=20 [paper]=0)
+ALL="cuda-path tests huginn-c ouro-c ouro batch parcae paper"
+declare -A ESTIMATE=([cuda-path]=115 [tests]=90 [huginn-c]=110 [ouro-c]=130 [ouro]=35 [batch]=40
+                     [parcae]=20 [paper]=0 [huginn]=30 [cuda-matrix]=540)  # the last two: STEPS
 start=$SECONDS failed=0
 GPU_BUDGET_S=540
 if [ "${1:-}" = --smoke ]; then
@@ -51,13 +56,10 @@ else
     device=cuda new=64 huginn=configs/huginn-0125.json ouro=configs/ouro-2.6b.json
     parcae=configs/parcae-1.3b.json batches=1,4
     tests="tests/test_compile.py::test_static_buffers_stay_and_cuda_graphs_are_taken
-           tests/test_compile.py::test_compiled_schedules_compile_nothing_and_equal_compiled_ar
            tests/test_compile.py::test_compiled_wfd_equals_compiled_ar_across_every_key_bucket
            tests/test_families.py::test_one_blocking_transfer_per_tick_on_every_family
            tests/test_siblings.py::test_a_rows_bits_do_not_depend_on_its_lane
-           tests/test_siblings.py::test_compiled_siblings_compile_nothing_and_equal_compiled_ar
-           test_wfd.py::test_eager_decoding_runs_on_fused_attention_kernels_alone
-           test_wfd.py::test_wfd_and_dtv_equal_ar_at_every_draft_depth"
+           test_wfd.py::test_eager_decoding_runs_on_fused_attention_kernels_alone"
     steps=${STEPS:-$ALL}
 fi
 mkdir -p "$RESULTS"
@@ -113,6 +115,12 @@ compiled() {  # compiled NAME CONFIG ACCEPTANCE [FLAGS...]: bench, compiled, the
 
 for s in $steps; do
     case $s in
+        # the imitation switched off: its cases on the GPU (the quick suite's: each family once,
+        # each case once; cuda-matrix: all of them)
+        cuda-path) step cuda-path "${ESTIMATE[cuda-path]}" env WFD_TEST_DEVICE=$device "$PY" -m \
+                       pytest -q tests/test_cuda_path.py ;;
+        cuda-matrix) step cuda-matrix "${ESTIMATE[cuda-matrix]}" env WFD_TEST_DEVICE=$device \
+                         "$PY" -m pytest -q --runslow tests/test_cuda_path.py ;;
         # shellcheck disable=SC2086  # the test ids are words
         tests) step tests "${ESTIMATE[tests]}" env WFD_TEST_DEVICE=$device "$PY" -m pytest -q \
                    --runslow $tests ;;

@@ -4,6 +4,7 @@ any folder, one line for memory that runs out, the text the model wrote
 (special tokens included)."""
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -55,9 +56,13 @@ def test_a_bench_run_keeps_no_logits(capsys):
     a = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True, keep_logits=True)
     b = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
     assert a.stats["logits_digest"] == b.stats["logits_digest"]
-    model.lm_head.weight.data[0, 0] += 1e-3  # one logit of every row moves
-    c = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
-    assert c.tokens == a.tokens and c.stats["logits_digest"] != a.stats["logits_digest"]
+    V = model.args.vocab_size
+    for v in (0, V - 1, random.Random(0).randrange(1, V - 1)):  # the ends and one between
+        weight = model.lm_head.weight.data[v, 0].item()
+        model.lm_head.weight.data[v, 0] += 1e-3  # logit v of every row moves
+        c = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
+        model.lm_head.weight.data[v, 0] = weight
+        assert c.tokens == a.tokens and c.stats["logits_digest"] != a.stats["logits_digest"], v
 
 
 PEAK_RSS = """

@@ -277,3 +277,11 @@ def test_compiled_siblings_compile_nothing_and_equal_compiled_ar(kind, dtype, ca
         out = run("wfd", draft_hook=forced(ref.tokens, prompt, V), **sampling)
         assert same_logits(out, ar) and out.stats["graphs_compiled"] == 0, sampling
         assert out.stats["rescued"] > 0 or sampling
+
+    def at_block_starts(pos, token, depth=None):
+        """Drafts wrong and second proposals right at a key block's first column, right
+        elsewhere: the winning sibling there reads its own keys through its block's patch."""
+        want = ref.tokens[pos - len(prompt)]
+        return (want + 1) % V if pos % kv.BLOCK == 0 and depth is None else want
+    out = run("wfd", draft_hook=at_block_starts)
+    assert same_logits(out, ref) and out.stats["rescued"] > 0

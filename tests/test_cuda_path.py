@@ -1,0 +1,147 @@
+"""The CUDA path run before a GPU (docs/compiling.md): on a CPU the `imitation` fixture sends every
+generation down the path that CUDA takes, compiled calls through torch.compile's mode
+"reduce-overhead" and `compiling.replay` (on a CPU inductor skips only the graph capture), the
+staging ring of several chunks with stand-in events, and the CUDA-graph counters. Under it every
+family gives compiled AR's tokens and logits, bit for bit, and eager AR's tokens, greedy, sampled,
+with the second proposal, batched with refill and with shared KV. With WFD_TEST_DEVICE=cuda
+(gpu_check.sh) the same tests run on the GPU for real: CUDA graphs, pinned staging, CUDA events."""
+import random
+
+import pytest
+import torch
+
+import wfd
+from cli import args
+from runtime import compiling, transfers
+from test_batch import prompts_for
+from test_siblings import FAMILIES, model_of
+from test_wfd import DEVICE, same_logits
+
+
+class Waits:
+    """The staging events of the generations under the imitation: each one made for a device, and
+    the waits on them (a chunk filled again before a read let the host catch up). On CUDA real
+    events, counted."""
+
+    def __init__(self, record):
+        self.record, self.devices, self.count = record, [], 0
+
+    def __call__(self, device):
+        self.devices.append(device)
+        waits, event = self, self.record(device)
+
+        class Counted:
+            def synchronize(self):
+                waits.count += 1
+                return event and event.synchronize()
+        return Counted()
+
+
+class StandInManager:
+    """cudagraph trees' manager as the CUDA-graph counters read it: no graph re-recorded."""
+    num_rerecord = {}
+
+
+@pytest.fixture
+def imitation(monkeypatch):
+    """The CUDA path on this device: on a CPU, the path's device check passes for "cpu" too, and
+    cudagraph trees' manager is a stand-in; the staging ring holds 2 chunks (fewer than the calls
+    between two reads of every schedule here, so that a chunk waits on its event), its events
+    counted (Waits). The replays are counted: yields (Waits, replays)."""
+    if DEVICE != "cuda":
+        from torch._inductor import cudagraph_trees
+        monkeypatch.setattr(transfers, "CUDA_PATH", transfers.CUDA_PATH | {"cpu"})
+        monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists:
+                            StandInManager())
+    waits = Waits(transfers.Staging.record if DEVICE == "cuda" else lambda device: None)
+    monkeypatch.setattr(transfers.Staging, "ring", 2)
+    monkeypatch.setattr(transfers.Staging, "record", staticmethod(waits))
+    replays, replay = [], compiling.replay
+    monkeypatch.setattr(compiling, "replay", lambda *a, **kw: replays.append(1) or replay(*a, **kw))
+    yield waits, replays
+
+
+def test_replay_copies_every_tensor_and_passes_none_through():
+    """start_body's output in a family without e (Ouro, LoopFormer) is (s, None): each tensor
+    copied out of the graph's memory, the None kept (a clone of it raised AttributeError)."""
+    s, e = torch.ones(2), torch.zeros(2)
+    for out in ((s, None), (s, e), s):
+        copy = compiling.replay(lambda: out)
+        for a, b in zip(copy if isinstance(copy, tuple) else [copy],
+                        out if isinstance(out, tuple) else [out]):
+            assert (a is None) == (b is None) and (a is None or (torch.equal(a, b) and a is not b))
+
+
+CASES = ["greedy", "sampled", "second", "batched", "shared"]
+# the quick suite: one case per family, each case in some family
+QUICK = dict(ouro="greedy", huginn="sampled", parcae="batched", loopformer="second",
+             llama="shared", olmo2="greedy")
+
+
+def matrix():
+    return [(kind, case) if QUICK[kind] == case
+            else pytest.param(kind, case, marks=pytest.mark.slow)
+            for kind in FAMILIES for case in CASES]
+
+
+@pytest.mark.parametrize("kind,case", matrix())
+def test_the_cuda_path_equals_ar(kind, case, imitation):
+    """WFD (DtV too, greedy) through the CUDA path, drafts forced wrong at every fourth position:
+    compiled AR's tokens and logits at the same width, bit for bit, and eager AR's tokens."""
+    waits, replays = imitation
+    model = model_of(kind, FAMILIES.index(kind), torch.float32)
+    T, V = model.num_steps, model.args.vocab_size
+    batched, quick = case == "batched", QUICK[kind] == case
+    prompts = prompts_for(model, 3, 1, longest=3) if batched else [3, 1, 4]
+    # positions up to 15, one key block then two; quick: up to 7, one (half the graphs to compile)
+    k, n_new, capacity = 1, 5 if quick else 11, 8 if quick else 16
+    kw = dict(capacity=capacity, draft_steps=k, keep_logits=True,
+              **dict(greedy={}, sampled=dict(temperature=0.8, top_k=20, seed=5),
+                     second=dict(second_depth=T - 1), batched=dict(batch_size=2),
+                     shared=dict(kv="shared"))[case])
+    wrong = lambda pos, token, depth=None: (token + 1) % V if pos % 4 == 0 else token
+    hook = (lambda i, *a, **d: wrong(*a, **d)) if batched else wrong
+    run = lambda method, **more: wfd.generate(model, prompts, n_new, method=method,
+                                              compile=True, **kw, **more)
+    outs = {"wfd": run("wfd", draft_hook=hook)}
+    width = (outs["wfd"][0] if batched else outs["wfd"]).stats["width"]
+    if case == "greedy":
+        outs["dtv"] = run("dtv", draft_hook=hook, width=width, draft_len=width - 1)
+    ar = run("ar", width=width)
+    kw.pop("second_depth", None)
+    eager = wfd.generate(model, prompts, n_new, method="ar", **kw)
+    listed = lambda o: o if batched else [o]
+    for method, out in outs.items():
+        for o, a, e in zip(listed(out), listed(ar), listed(eager)):
+            assert same_logits(o, a) and o.tokens == e.tokens, (method, o.stats["index"])
+            assert o.stats["compiled"] and o.stats["cuda_graphs_rerecorded"] == 0
+            if DEVICE == "cuda":
+                assert o.stats["cuda_graphs_skipped"] == 0
+    assert replays and waits.count > 0
+    assert set(waits.devices) == {model.device}
+
+
+def test_a_staging_event_is_recorded_on_the_models_device(monkeypatch):
+    """A copy to cuda:1 runs on cuda:1's stream whichever device is current (cuda:0 here): its
+    event must be recorded there, or the wait on it waits for another device's work."""
+    recorded = []
+
+    class Event:
+        def record(self, stream=None):
+            recorded.append(stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    transfers.cuda_event(torch.device("cuda", 1))
+    assert recorded == ["stream of cuda:1"]
+
+
+@pytest.mark.parametrize("device,flags,compiled", [
+    ("cuda", [], True), ("cuda:0", [], True), ("cuda:1", [], True), ("cuda:0", ["--eager"], False),
+    ("cpu", [], False), ("cpu", ["--compile"], True)])
+def test_every_cuda_device_compiles_by_default(device, flags, compiled):
+    p = args.Parser()
+    args.add_decoding_args(p, "", "", "")
+    parsed = p.parse_args(flags)
+    parsed.device = device  # --device names its choices; the rule takes any CUDA device
+    args.resolve_compile(parsed)
+    assert parsed.compile == compiled
