@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import models
 import wfd
-from cli import figures
+from cli import figures, plain
 from cli.answers import Answers
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
                       compiling_line, one_line_errors, resolve_compile, set_threads)
@@ -66,6 +66,8 @@ METHODS = {
     # the second proposal (--second-depth): its width, and AR through the same calls
     "ar-2": ("ar", "full", "second", "AR, second-proposal width", "ar-2"),
     "wfd-2": ("wfd", "full", "second", "WFD, second proposal", "ar-2"),
+    # the baseline of a plain eager forward (cli/plain.py): one row per call, AR's tokens
+    "plain": ("ar", "full", 1, "plain forward", "ar"),
 }
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 COLUMNS = ["method", "width", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
@@ -155,11 +157,29 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     """Decode one prompt with one method (ref: as draft_emulator's)."""
     hook, drafts = draft_emulator(model, prompt, name, args, ref)
     clock, times = CLOCKS[args.clock], []
+    if name == "plain":
+        return plain_run(model, prompt, args, max_new_tokens, clock)
     start = clock()
     out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"],
                        draft_hook=hook, on_token=lambda t: times.append(clock()),
                        digest_logits=True, **settings(name, args))
     return record(out, prompt, drafts, times, clock() - start)
+
+
+def plain_run(model, prompt, args, max_new_tokens, clock):
+    """One prompt through the plain eager forward (cli/plain.py), greedy, timed as run times."""
+    if args.temperature != 0 or args.batch_size is not None:
+        raise ValueError("the plain forward decodes greedily, one prompt at a time")
+    stop = checks.stop_ids(prompt["eos"], model.args.vocab_size)
+    times, start = [], clock()
+    tokens, kv_bytes = plain.generate(model, prompt["ids"], max_new_tokens, stop=stop,
+                               on_token=lambda t: times.append(clock()))
+    time_s = clock() - start
+    T, n = model.num_steps, len(tokens)
+    stats = dict(tokens=n, accepted=0, rejected=0, graphs_compiled=0, r_calls=T * n, num_steps=T,
+                 r_calls_per_token=T, acceptance=float("nan"), width=1, kv_bytes=kv_bytes,
+                 logits_digest=None)
+    return record(wfd.Generation(tokens, stats), prompt, {}, times, time_s)
 
 
 def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=None):
@@ -657,8 +677,8 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
         """r, the result of prompt i, checked against its reference's and logged."""
         ref = reference(name) and reference(name)[i]
         plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
-        same = ref is None or (r["tokens"] == ref["tokens"]
-                               and r["stats"]["logits_digest"] == ref["stats"]["logits_digest"])
+        same = ref is None or (r["tokens"] == ref["tokens"] and (  # plain: AR's tokens
+            name == "plain" or r["stats"]["logits_digest"] == ref["stats"]["logits_digest"]))
         r.update(identical=same, ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
         results[name][i] = r
         st = r["stats"]
@@ -749,7 +769,8 @@ def print_costs(model, T, names, figs, results, args):
             return f"{each}, {100 * r_s / sum(r['stats']['wall_s'] for r in recs):.0f}% of the time"
         print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P "
               "and the schedule): "
-              + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names))
+              + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names
+                          if n != "plain"))  # the plain forward times no call alone
 
 
 def fewer_slots(results, args):
@@ -816,6 +837,11 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               f"shares of the verifies accepted a={a:.3f} and rescued r={r:.3f} (an ideal speedup of "
               f"{T / calls:.2f}x); WFD-2 at {two['tok_s'] / ar['tok_s']:.2f}x AR; its branch "
               f"columns: {two['branch_kib']:.1f} KiB of its {two['kv_mib']:.1f} MiB of KV")
+    if "plain" in figs:
+        base = figs["plain"]["tok_s"]
+        print(f"\nThe plain forward (one SDPA call per layer, no lanes, cli/plain.py, eager), "
+              f"{base:.2f} tok/s: " + ", ".join(f"{METHODS[n][3]} {f['tok_s'] / base:.2f}x of it"
+                                                for n, f in figs.items() if n != "plain"))
     if args.compile:
         graphs = sum(f["graphs"] for f in figs.values())
         print(f"\nGraphs compiled during the timed runs: {graphs}" + (

@@ -59,8 +59,11 @@ class KVCache:
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
         self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
         shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1 + branches, a.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
-        self.v = torch.zeros_like(self.k)
+        # uninitialised: a row reads only columns written before it, and what a column it cannot
+        # see holds adds nothing (block_attention), so a cache costs what its calls touch, not its
+        # capacity
+        self.k = torch.empty(shape, device=self.device, dtype=model.dtype)
+        self.v = torch.empty_like(self.k)
 
     def buffers(self):
         return [t for t in vars(self).values() if torch.is_tensor(t)]
@@ -108,7 +111,7 @@ class KVCache:
             depth = torch.full_like(pos, depth or 0)
         first = torch.arange(n, device=pos.device) // (n // self.batch) * self.seq_slots  # lane i's
         looped = torch.add(first, depth, alpha=self.n_core)
-        blocks = self.key_blocks(at[:, None], span, branches=branches)
+        blocks = self.key_blocks(at.unsqueeze(1), span, branches=branches)
         return Step(col, at, span, blocks, depth, first, looped, sums)
 
     def key_blocks(self, last, span, buffers=None, branches=None):
@@ -118,10 +121,11 @@ class KVCache:
         eager, from branches.gather on, cols [N, B], each row's column for each position of the
         block (its own, or for a redirected one its branch's); compiled, every block, a Patch."""
         (k, v), n = buffers or (self.k, self.v), self.block
-        visible = torch.arange(span * n, device=last.device)[None] <= last
+        visible = torch.arange(span * n, device=last.device).unsqueeze(0) <= last
         blocks = []
         for b, lo in enumerate(range(0, span * n, n)):
-            seen, how, wide = mask(visible[:, lo:lo + n], k.dtype), None, 0
+            seen = mask(visible if span == 1 else visible[:, lo:lo + n], k.dtype)
+            how, wide = None, 0
             if branches is not None and branches.gather is None:  # and a spare column (read)
                 inside = (branches.q >= lo) & (branches.q < lo + n)
                 how, wide = Patch(torch.where(inside, branches.q - lo, n),
@@ -208,10 +212,12 @@ def causal_attention(q, k, v):
 
 
 class Mask(NamedTuple):
-    """Which columns of a key block each row of a call sees: visible [N, B], and keep [N, 1, B, 1],
-    the same as the bits to AND a key's or value's bits with (all ones where seen, zeros where not;
-    the signed integer of the cache dtype's width), made once per call."""
+    """Which columns of a key block each row of a call sees: visible [N, B], as SDPA's mask [N, 1, 1,
+    B], and keep [N, 1, B, 1], the same as the bits to AND a key's or value's bits with (all ones
+    where seen, zeros where not; the signed integer of the cache dtype's width), made once per
+    call."""
     visible: torch.Tensor
+    attn_mask: torch.Tensor
     keep: torch.Tensor
 
 
@@ -220,7 +226,7 @@ BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float dtype's width
 
 def mask(visible, dtype):
     keep = torch.where(visible, -1, 0).to(BITS[dtype.itemsize])
-    return Mask(visible, keep[:, None, :, None])
+    return Mask(visible, visible.unsqueeze(1).unsqueeze(1), keep.unsqueeze(1).unsqueeze(-1))
 
 
 def hide(x, keep):
@@ -239,7 +245,7 @@ def block_attention(q, k, v, seen, need_lse, sums):
     sums (compiled): the products and sums written out, which inductor fuses into one loop that
     reads every row's slot where it lies; eager, SDPA over the gathered block is cheaper."""
     n, heads, hd = q.shape
-    visible, v = seen.visible, hide(v, seen.keep)
+    v = hide(v, seen.keep)
     lse = None
     if need_lse or sums:
         acc = torch.promote_types(q.dtype, torch.float32)  # the sums' precision: at least float32
@@ -248,16 +254,15 @@ def block_attention(q, k, v, seen, need_lse, sums):
             scores = (qg[:, :, :, None] * k[:, :, None].to(acc)).sum(-1)
         else:
             scores = torch.einsum("nkgd,nkbd->nkgb", qg, k.to(acc))
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))  # [N, Hkv, group, B]
+        scores = scores.masked_fill(~seen.attn_mask, float("-inf"))  # [N, Hkv, group, B]
         lse = scores.logsumexp(-1, keepdim=True)
     if sums:
         y = ((scores - lse).exp()[..., None] * v[:, :, None].to(acc)).sum(-2)
         y = y.to(q.dtype).view(n, heads, hd)
     else:  # [N, H, 1, hd] -> [N, H, hd]; SDPA adds its mask to the scores, so the keys are hidden
         # too (NaN - inf is NaN)
-        y = F.scaled_dot_product_attention(q[:, :, None], hide(k, seen.keep), v,
-                                           attn_mask=visible[:, None, None], enable_gqa=True)
-        y = y[:, :, 0]
+        y = F.scaled_dot_product_attention(q.unsqueeze(2), hide(k, seen.keep), v,
+                                           attn_mask=seen.attn_mask, enable_gqa=True).squeeze(2)
     return y, (lse.view(n, heads) if need_lse else None)
 
 
@@ -328,10 +333,10 @@ class SharedKVCache(KVCache):
         final = (batch * a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
         ring = (batch * self.num_steps * a.n_core, a.n_kv_heads, self.ring + 1 + branches,
                 a.head_dim)
-        self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
-        self.final_v = torch.zeros_like(self.final_k)
-        self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
-        self.ring_v = torch.zeros_like(self.ring_k)
+        self.final_k = torch.empty(final, device=self.device, dtype=model.dtype)  # as KVCache's
+        self.final_v = torch.empty_like(self.final_k)
+        self.ring_k = torch.empty(ring, device=self.device, dtype=model.dtype)
+        self.ring_v = torch.empty_like(self.ring_k)
 
     def prepare(self, pos, depth, span, sums=False, branches=None):
         step = super().prepare(pos, depth, span, sums, branches)

@@ -270,16 +270,23 @@ class LoopedLM(nn.Module):
     def stored_value_embeddings(self, e):
         return None if self.value_embed is None else e[..., self.args.dim:]
 
+    def rope(self, pos):
+        """The RoPE rows of positions pos [N] (idle lanes, -1: any row), cos and sin [N, 1, hd/2],
+        in the rotation's arithmetic dtype (layers.transformer.apply_rope): made once per call."""
+        p, dtype = pos.clamp(min=0), torch.promote_types(self.dtype, torch.float32)
+        return (t.index_select(0, p)[:, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
+
     def _layers(self, blocks, x, call, ve=None, mod=None):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
-        p = call.pos.clamp(min=0)  # idle lanes (-1) take any RoPE row
-        cos, sin = self.rope_cos.index_select(0, p), self.rope_sin.index_select(0, p)
+        cos, sin = self.rope(call.pos)
         cache = call.cache
         step = None if cache is None else cache.prepare(call.pos, call.depth, call.span,
                                                         call.compiled, call.branches)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
-            x = blk(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])
+            # forward itself: the hooks nn.Module's call would look for cost more than a layer's
+            # arithmetic at a small width
+            x = blk.forward(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])
         return x
 
     def clock_table(self, num_steps):

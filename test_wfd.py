@@ -214,7 +214,7 @@ def test_ouro_forward_matches_golden(ouro):
     ids, tol = meta["prompt_ids"], dict(atol=1e-4)
     pos = torch.arange(len(ids))
     _, h = ouro.P(torch.tensor(ids), pos)
-    layer0 = ouro.core[0](h, ouro.rope_cos[pos], ouro.rope_sin[pos], kv.causal_attention)
+    layer0 = ouro.core[0](h, *ouro.rope(pos), kv.causal_attention)
     assert close(layer0, g["layer0_step1_out"], **tol)
     for t in range(4):
         h = ouro.R(h, None, pos, t)

@@ -35,24 +35,26 @@ def llama3_scaling(inv_freq, factor, low, high, original):
 
 def rms_norm(x, weight, eps):
     # statistics in at least fp32, cast back to the input dtype *before* the weight (the
-    # references); eps None: nn.RMSNorm's default, the epsilon of that arithmetic's dtype
-    xf = x.float() if x.element_size() < 4 else x
-    eps = torch.finfo(xf.dtype).eps if eps is None else eps
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else y * weight
+    # references); eps None: nn.RMSNorm's default, the epsilon of that arithmetic's dtype.
+    # F.rms_norm is one call, with the bits of x * rsqrt(mean(x^2) + eps) (* weight)
+    if x.element_size() < 4:
+        xf = x.float()
+        y = F.rms_norm(xf, x.shape[-1:], None, torch.finfo(xf.dtype).eps if eps is None else eps)
+        return y.to(x.dtype) if weight is None else y.to(x.dtype) * weight
+    return F.rms_norm(x, x.shape[-1:], weight, torch.finfo(x.dtype).eps if eps is None else eps)
 
 
 def apply_rope(x, cos, sin, interleaved):
-    """x [N, heads, hd]; cos, sin [N, hd/2]. Rotates adjacent pairs (interleaved) or the halves."""
+    """x [N, heads, hd]; cos, sin [N, 1, hd/2] in x's arithmetic dtype (at least fp32: the model's
+    rope_rows). Rotates adjacent pairs (interleaved) or the halves."""
     xf = x.float() if x.element_size() < 4 else x
-    cos, sin = cos[:, None].to(xf.dtype), sin[:, None].to(xf.dtype)
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     else:
         x1, x2 = xf.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def value_gate(h, weight):
@@ -100,26 +102,33 @@ class Block(nn.Module):
         self.ada = nn.Linear(a.dim, 4 * a.dim) if a.clock else None  # LoopFormer's adaLN_modulation
 
     def forward(self, x, cos, sin, attend, ve=None, mod=None):  # x [..., N, D]; ve [..., N, cols]
+        """cos, sin: the rows' RoPE rows (models.LoopedLM.rope)."""
         a = self.args
         gate_attn, gate_mlp, scale_attn, scale_mlp = [None] * 4 if mod is None else mod.chunk(4, -1)
         h = self.sublayer_input(x, self.attn_norm, scale_attn)
-        kv_width = a.n_kv_heads * a.head_dim
-        q, k, v = self.qkv(h).split([a.n_heads * a.head_dim, kv_width, kv_width], dim=-1)
+        heads, kv_width = a.n_heads, a.n_kv_heads * a.head_dim
+        qk, v = F.linear(h, self.qkv.weight).split([heads * a.head_dim + kv_width, kv_width], -1)
         if self.q_norm is not None:  # OLMo-2: over the whole projection, every head at once
-            q, k = rms_norm(q, self.q_norm, a.norm_eps), rms_norm(k, self.k_norm, a.norm_eps)
-        q, k, v = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k, v))  # [..., N, heads, hd]
+            q, k = qk.split([heads * a.head_dim, kv_width], -1)
+            qk = torch.cat([rms_norm(q, self.q_norm, a.norm_eps),
+                            rms_norm(k, self.k_norm, a.norm_eps)], -1)
+        # q's heads, then k's: RoPE and the QK-norm act on each head alike, so on both at once
+        qk, v = qk.unflatten(-1, (-1, a.head_dim)), v.unflatten(-1, (-1, a.head_dim))
         if self.ve_gate is not None:
             gate = value_gate(h, self.ve_gate.weight)
             v = v + gate[..., None] * ve[..., self.ve_cols].unflatten(-1, (-1, a.head_dim))
-        if self.qk_bias is not None:
-            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        if self.qk_bias is not None:  # [2, 1, heads, hd]: q's, then k's
+            qk = qk + self.qk_bias.transpose(0, 1).flatten(1, 2)
         if a.rope:
-            q, k = (apply_rope(t, cos, sin, a.interleaved_rope) for t in (q, k))
+            qk = apply_rope(qk, cos, sin, a.interleaved_rope)
         if a.qk_norm:
-            q, k = rms_norm(q, None, QK_NORM_EPS), rms_norm(k, None, QK_NORM_EPS)
-        x = self.residual(x, self.proj(attend(q, k, v).flatten(-2)), self.attn_out_norm, gate_attn)
-        h = MLPS[a.mlp](self.fc(self.sublayer_input(x, self.mlp_norm, scale_mlp)))
-        return self.residual(x, self.down(h), self.mlp_out_norm, gate_mlp)
+            qk = rms_norm(qk, None, QK_NORM_EPS)
+        q, k = qk.split([heads, a.n_kv_heads], -2)
+        y = F.linear(attend(q, k, v).flatten(-2), self.proj.weight)
+        x = self.residual(x, y, self.attn_out_norm, gate_attn)
+        h = F.linear(self.sublayer_input(x, self.mlp_norm, scale_mlp), self.fc.weight)
+        return self.residual(x, F.linear(MLPS[a.mlp](h), self.down.weight), self.mlp_out_norm,
+                             gate_mlp)
 
     def sublayer_input(self, x, norm, scale):
         """What the attention or the MLP reads: x, normed (ModelArgs.in_norm) and, modulated

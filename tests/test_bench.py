@@ -12,6 +12,7 @@ import torch
 import bench
 import models
 import wfd
+from cli import plain
 from test_chat import CHATML, checkpoint, tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -483,3 +484,21 @@ def test_sweep_second_depth(capsys, tmp_path):
     assert [p["x"] for p in points] == [2, 3]
     assert all(p["methods"]["wfd-2"]["r_calls_formula"] > 1 for p in points)
     assert png_size(tmp_path / "m.png") == bench.figures.PIXELS
+
+
+@pytest.mark.parametrize("name", ["ouro_A", "huginn_A", "parcae_A", "loopformer_A", "raven_A"])
+def test_plain_forward_gives_ar_tokens(name):
+    """bench.py's plain baseline (cli/plain.py: one SDPA call per layer over a growing cache) decodes
+    AR's tokens, prompt and coda layers included."""
+    model = models.load(os.path.join(HERE, "testdata", name))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    tokens, kv_bytes = plain.generate(model, prompt, 12)
+    assert tokens == wfd.generate(model, prompt, 12, method="ar").tokens and kv_bytes > 0
+
+
+def test_plain_forward_row(capsys):
+    out, text = run_bench(capsys, ["--model", os.path.join(HERE, "testdata", "ouro_A"),
+                                   "--num-prompts", "2", "--prompt-len", "5", "--methods",
+                                   "ar,plain", "--max-new-tokens", "12", "--out", ""])
+    assert rows(text)["plain forward"][-2:] == ["100%", "100.0%"]  # AR's tokens
+    assert "The plain forward (one SDPA call per layer" in text

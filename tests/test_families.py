@@ -91,8 +91,7 @@ def test_loopformer_forward_matches_golden(loopformer):
     assert close(m.clock(t, dt), g["cond_per_step"], **tol)
     table = m.clock_table(T)
     assert close(table.unflatten(-1, (4, -1)), g["modulation_per_step"], **tol)
-    cos, sin = m.rope_cos[pos], m.rope_sin[pos]
-    block0 = m.core[0](x0, cos, sin, kv.causal_attention, None, table[0, 0])
+    block0 = m.core[0](x0, *m.rope(pos), kv.causal_attention, None, table[0, 0])
     assert close(block0, g["block0_step1_out"], **tol)
     s, states, logits = x0, [], []
     for d in range(T):
