@@ -528,6 +528,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="keep the answers in --out of an earlier "
                    "run of the same command (one cut short) and measure only the prompts some "
                    "method has not answered")
+    p.add_argument("--overwrite", action="store_true", help="start again: replace the answers "
+                   "in --out of an earlier run of the same model and methods (without --resume "
+                   "or --overwrite such a run is refused, so that no finished run is lost)")
     p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, "
                    "each method in one batched call (a finished sequence's slot takes the next "
                    "prompt); default: one prompt at a time")
@@ -941,6 +944,9 @@ def main(argv=None):
     if args.resume and (not args.out or args.sweep or args.plot_from):
         raise ValueError("--resume continues the answer files of a run: it needs --out, and "
                          "no sweep")
+    if args.overwrite and (args.resume or not args.out or args.sweep or args.plot_from):
+        raise ValueError("--overwrite replaces the answer files of an earlier run: it needs --out, "
+                         "no sweep, and not --resume, which goes on with them")
     if args.plot_from:
         sweep = figures.read_sweep(args.plot_from)
         print(figures.text(sweep))
