@@ -133,7 +133,8 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's "
-                   "wfd_draft_steps, else max(1, T // 8))")
+                   "wfd_draft_steps at the model's own T; at any other --steps, and for a config "
+                   "without one, max(1, T // 8): the demo's 2 at T=4, 1 at --steps 8)")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
     p.add_argument("--second-depth", type=int, metavar="M", help="the wavefront's second proposal: "
                    "each row read again at depth M (k < M < T), a sibling started where it "
