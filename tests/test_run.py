@@ -3,6 +3,7 @@ before any output; --json is strict JSON; streamed text is whole characters."""
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -332,6 +333,26 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
 
 
 # -- many prompts: --prompts-file ------------------------------------------------------------------
+
+
+def test_the_readmes_prompts_file_command_runs(capsys):
+    """The README's --prompts-file command, as written (16 new tokens instead of 128, for time),
+    on the prompts file the project ships: one JSON line per prompt."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        line = next(line for line in f if line.startswith("python run.py --prompts-file "))
+    argv = shlex.split(line.split("#")[0])[2:]
+    path = argv[argv.index("--prompts-file") + 1]
+    with open(os.path.join(ROOT, path)) as f:
+        n = sum(1 for line in f if line.strip())
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)  # the README's commands run in the project
+        run.main(argv + ["--max-new-tokens", "16"])
+    finally:
+        os.chdir(cwd)
+    out = [strict(line) for line in capsys.readouterr().out.splitlines()]
+    assert n >= 4 and sorted(o["index"] for o in out) == list(range(n))
+
 
 LINES = ["def f(x):", "import os", "class A:"]
 
