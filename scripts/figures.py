@@ -42,7 +42,8 @@ RUNS = {
                    "--prompt-len 8 --max-new-tokens 16 --warmup 2 --methods ar,wfd",
 }
 DEMO = "demo (T=4), 15 held-out prompts x 128 tokens"
-OURO = "Ouro-2.6B config, random weights, bfloat16, emulated acceptance 0.92 (0.97 at m=2), 32 tokens"
+OURO = ("Ouro-2.6B config, random weights, bfloat16, emulated acceptance 0.92 (0.97 at m=2), "
+        "32 tokens")
 HUGINN = ("huginn-0125 config (3.5B), random weights, bfloat16, emulated acceptance 0.94 (0.98 at "
           "m=8), 16 tokens")
 # table: (columns, rows: (run, what the run is, [(method, its label)]))
@@ -63,7 +64,8 @@ TABLES = {
          [("ar", "AR"), ("wfd", "WFD, k = 1"), ("ar-2", "AR, second-proposal width"),
           ("wfd-2", "WFD, k = 1, m = 2")]),
         ("ouro-2.6b", OURO, [("ar", "AR"), ("wfd", "WFD, k = 1"),
-                             ("ar-2", "AR, second-proposal width"), ("wfd-2", "WFD, k = 1, m = 2")]),
+                             ("ar-2", "AR, second-proposal width"),
+                             ("wfd-2", "WFD, k = 1, m = 2")]),
         ("huginn-0125", HUGINN, [("ar", "AR"), ("wfd", "WFD, k = 4"),
                                  ("ar-2", "AR, second-proposal width"),
                                  ("wfd-2", "WFD, k = 4, m = 8")]),

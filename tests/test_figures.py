@@ -15,7 +15,8 @@ spec.loader.exec_module(figures)
 def test_every_marked_table_is_its_json_rendered():
     pages = figures.pages()
     used = {m[2] for text in pages.values() for m in figures.MARKED.finditer(text)}
-    assert {"README.md", "docs/siblings.md", "docs/benchmarks.md", "docs/compiling.md"} <= set(pages)
+    assert {"README.md", "docs/siblings.md", "docs/benchmarks.md",
+            "docs/compiling.md"} <= set(pages)
     assert used == set(figures.TABLES)  # every table on a page, every marker a table
     for page, text in pages.items():
         assert figures.rendered(text) == text, (f"{page} differs from docs/figures/: run python "
