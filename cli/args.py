@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 import torch
 
@@ -32,7 +33,8 @@ def one_line_errors(main):
     ends has (141). Any other exception is a bug, and keeps its traceback."""
     @functools.wraps(main)
     def wrapped(argv=None):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # see cli.interrupt_quietly
+        if threading.current_thread() is threading.main_thread():  # the only one that may
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # see cli.interrupt_quietly
         try:
             return main(argv)
         except BrokenPipeError:

@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,19 +200,15 @@ def render(table):
         if run not in [s["run"] for s in sources]:
             sources.append(r)
     places = {(cpu(s["machine"]), s["torch"]) for s in sources}
-    lines.append("")
-    if len(places) == 1:
-        where, version = places.pop()
-        lines.append(f"Measured on {where}, torch {version}, one thread, CPU-time clock; each "
-                     "speedup against the AR of the same run (`python scripts/figures.py "
-                     "--measure --only RUN` measures it again):")
-    else:
-        lines.append("Measured as each command says, one thread, CPU-time clock; each speedup "
-                     "against the AR of the same run:")
-    lines += ["", "```"] + [f"{s['command']}   # {s['run']}, {s['date']}"
-                            + ("" if len(places) == 1 else f", {cpu(s['machine'])}, "
-                               f"torch {s['torch']}") for s in sources] + ["```"]
-    return "\n".join(lines)
+    one = len(places) == 1
+    where = (f"on {cpu(sources[0]['machine'])}, torch {sources[0]['torch']}" if one
+             else "as each command says")
+    lines += ["", textwrap.fill(f"Measured {where}, one thread, CPU-time clock; each speedup "
+                                "against the AR of the same run (`python scripts/figures.py "
+                                "--measure --only RUN` measures it again):", 100), "", "```"]
+    lines += [f"{s['command']}   # {s['run']}, {s['date']}"
+              + ("" if one else f", {cpu(s['machine'])}, torch {s['torch']}") for s in sources]
+    return "\n".join(lines + ["```"])
 
 
 MARKED = re.compile(r"(<!-- figures:([\w-]+) -->\n)(.*?)(<!-- /figures -->)", re.S)
