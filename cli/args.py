@@ -82,7 +82,8 @@ def in_flags(message):
 @contextlib.contextmanager
 def naming(flag, value):
     """Errors in reading what `flag` names (a file, a folder, a hub id) start with the flag, and
-    with its value where they do not quote it: `--prompts-file x.bin: ...`."""
+    with its value where they do not quote it: `--prompts-file x.bin: ...`. Others (the weights
+    too large for the device) pass as they are."""
     try:
         yield
     except (ValueError, OSError) as err:
@@ -92,7 +93,7 @@ def naming(flag, value):
         elif isinstance(err, OSError) and err.strerror and err.filename:
             text = (err.strerror if os.path.normpath(err.filename) == os.path.normpath(value)
                     else f"{err.filename}: {err.strerror}")
-        if text.startswith("--"):
+        elif str(value) not in text or text.startswith("--"):
             raise
         text = f"{flag}: {text}" if str(value) in text else f"{flag} {value}: {text}"
         raise (OSError if isinstance(err, OSError) else ValueError)(text) from None
