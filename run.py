@@ -4,6 +4,10 @@ Without --model it runs the small demo model that ships in demo/ (see demo/train
 decoded together: python run.py --prompts-file prompts.txt --batch-size 4 (one prompt per line, or a
 .jsonl file with one {"prompt": TEXT} or {"prompt_ids": [IDS]} per line); each answer prints as its
 prompt finishes."""
+if __name__ == "__main__":  # Ctrl-C while torch imports: one line and status 130
+    from cli import interrupt_quietly
+    interrupt_quietly()
+
 import argparse
 import os
 import sys
@@ -12,11 +16,11 @@ import time
 import models
 import wfd
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
-                      compiling_line, one_line_errors, resolve_compile, set_threads)
+                      compiling_line, naming, one_line_errors, resolve_compile, set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
 from cli.prompts import default_eos, read_prompt, read_prompts
 from formats.checkpoints import load_tokenizer
-from runtime import checks
+from runtime import checks, memory
 
 
 def parse_args(argv=None):
@@ -112,7 +116,7 @@ def decode_file(args, model, method, width, settings):
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    check_at_least(args, threads=1, batch_size=1)
+    check_at_least(args, threads=1, batch_size=1, seed=0)
     resolve_compile(args)
     if args.batch_size is not None and args.prompts_file is None:
         raise ValueError("--batch-size needs --prompts-file: one prompt decodes alone")
@@ -122,10 +126,12 @@ def main(argv=None):
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with "
                                 "python train_demo.py")
-    # before the weights: it fails quicker
-    tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
-    model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
-                        state_init=args.state_init, seed=args.seed)
+    memory.check_device(args.device)  # before the files: not a --model error
+    with naming("--tokenizer", args.tokenizer):  # before the weights: it fails quicker
+        tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
+    with naming("--model", args.model):
+        model = models.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
+                            state_init=args.state_init, seed=args.seed)
     model.tokenizer = tokenizer or model.tokenizer
     if not model.args.config_stop_ids and args.eos is None and not default_eos(model):
         # LoopFormer's configs name no stop id, the retrofits' stale ones: the tokenizer's is

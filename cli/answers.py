@@ -14,16 +14,25 @@ class Answers:
     what its table needs (`bench`). Each answer is appended and flushed as its prompt finishes, so a
     run cut short keeps every finished answer. Every line carries the run's fingerprint (its flags
     but --resume and --out): with resume, the answers of an earlier run of the same command are read
-    back, the prompts answered by every method are kept and skipped, and the other lines dropped."""
+    back, the prompts answered by every method are kept and skipped, and the other lines dropped.
+    Answer files already in the folder are never emptied unasked: without --resume or --overwrite
+    the run is refused."""
 
     def __init__(self, model, model_id, names, prompts, args):
         self.model, self.model_id, self.names, self.prompts = model, model_id, names, prompts
-        flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("resume", "out")}
+        flags = {k: v for k, v in sorted(vars(args).items())
+                 if k not in ("resume", "overwrite", "out")}
         self.run_id = hashlib.blake2b(json.dumps([model_id, flags], default=str).encode(),
                                       digest_size=8).hexdigest()
         self.folder, self.acceptance = args.out, args.acceptance
         self.known = {n: [None] * len(prompts) for n in names}
         os.makedirs(self.folder, exist_ok=True)
+        earlier = [self.path(n) for n in names if os.path.isfile(self.path(n))
+                   and os.path.getsize(self.path(n))]
+        if earlier and not (args.resume or args.overwrite):
+            raise ValueError(f"--out {self.folder} holds the answers of an earlier run "
+                             f"({os.path.basename(earlier[0])}): --resume goes on with them, "
+                             "--overwrite starts again, or give another --out")
         lines = {n: self.read(n) if args.resume else [] for n in names}
         index = {p["question_id"]: i for i, p in enumerate(prompts)}
         done = (set.intersection(*({a["question_id"] for a in lines[n]} for n in names))
@@ -34,9 +43,13 @@ class Answers:
             for a in kept:
                 self.known[n][index[a["question_id"]]] = self.result(
                     a, prompts[index[a["question_id"]]])
-            self.files[n] = open(self.path(n), "w")
-            self.files[n].writelines(json.dumps(a, allow_nan=False) + "\n" for a in kept)
-            self.files[n].flush()
+            # the kept lines go to a new file that then replaces the old one: a kill at any moment
+            # leaves the old file or the new one whole, never an emptied one
+            new = self.path(n) + ".new"
+            with open(new, "w") as f:
+                f.writelines(json.dumps(a, allow_nan=False) + "\n" for a in kept)
+            os.replace(new, self.path(n))
+            self.files[n] = open(self.path(n), "a")
         self.resumed = len(done)
 
     def path(self, name):

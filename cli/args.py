@@ -2,9 +2,13 @@
 input is one line on stderr and exit status 2 (Ctrl-C: one line and 130; a closed pipe, as in
 `run.py ... | head`: nothing, and 141 as a process SIGPIPE ends); a traceback is a bug."""
 import argparse
+import contextlib
 import functools
 import os
+import re
+import signal
 import sys
+import threading
 
 import torch
 
@@ -29,6 +33,8 @@ def one_line_errors(main):
     ends has (141). Any other exception is a bug, and keeps its traceback."""
     @functools.wraps(main)
     def wrapped(argv=None):
+        if threading.current_thread() is threading.main_thread():  # the only one that may
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # see cli.interrupt_quietly
         try:
             return main(argv)
         except BrokenPipeError:
@@ -36,7 +42,7 @@ def one_line_errors(main):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(141)
         except (ValueError, OSError) as err:
-            print("error: " + " ".join(str(err).split()), file=sys.stderr)
+            print("error: " + in_flags(" ".join(str(err).split())), file=sys.stderr)
             sys.exit(2)
         except RuntimeError as err:
             oom = out_of_memory(err)
@@ -51,6 +57,46 @@ def one_line_errors(main):
             print(str(err) or "interrupted", file=sys.stderr)
             sys.exit(130)
     return wrapped
+
+
+# generate()'s parameters as the flags that set them: its checks (runtime/checks.py) name the
+# parameter, the command line the flag the user typed
+FLAGS = [(r"\bmax_new_tokens\b", "--max-new-tokens"), (r"\bnum_steps\b", "--steps"),
+         (r"\bdraft_len\b", "--draft-len"), (r"\bsecond_depth\b", "--second-depth"),
+         (r"\btop_k must be None or\b", "--top-k must be"), (r"\btop_k\b", "--top-k"),
+         (r"\btop_p must be None or\b", "--top-p must be"), (r"\btop_p\b", "--top-p"),
+         (r"^temperature\b", "--temperature"), (r"^seed must\b", "--seed must"),
+         (r"^width\b", "--width"), (r"\bcapacity (\S+) must\b", r"--capacity \1 must"),
+         (r"\bkv='(\w+)'", r"--kv \1"),
+         (r": method '(\w+)' \(or '(\w+)',", r": --method \1 (or \2,"),
+         (r"\bnot 'dtv'$", "not dtv")]
+
+
+def in_flags(message):
+    """A refusal in the words of the command line: each parameter named by its flag."""
+    for pattern, flag in FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
+@contextlib.contextmanager
+def naming(flag, value):
+    """Errors in reading what `flag` names (a file, a folder, a hub id) start with the flag, and
+    with its value where they do not quote it: `--prompts-file x.bin: ...`. Others (the weights
+    too large for the device) pass as they are."""
+    try:
+        yield
+    except (ValueError, OSError) as err:
+        text = " ".join(str(err).split())
+        if isinstance(err, UnicodeDecodeError):
+            text = f"not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})"
+        elif isinstance(err, OSError) and err.strerror and err.filename:
+            text = (err.strerror if os.path.normpath(err.filename) == os.path.normpath(value)
+                    else f"{err.filename}: {err.strerror}")
+        elif str(value) not in text or text.startswith("--"):
+            raise
+        text = f"{flag}: {text}" if str(value) in text else f"{flag} {value}: {text}"
+        raise (OSError if isinstance(err, OSError) else ValueError)(text) from None
 
 
 # what the messages of running out of memory say, whatever raised them: the CPU allocator, CUDA's
@@ -90,7 +136,8 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, help="full depth T (default: the model's)")
     p.add_argument("--draft-steps", type=int, help="draft depth k (default: the config's "
-                   "wfd_draft_steps, else max(1, T // 8))")
+                   "wfd_draft_steps at the model's own T; at any other --steps, and for a config "
+                   "without one, max(1, T // 8): the demo's 2 at T=4, 1 at --steps 8)")
     p.add_argument("--draft-len", type=int, default=4, help="drafts per draft-then-verify round")
     p.add_argument("--second-depth", type=int, metavar="M", help="the wavefront's second proposal: "
                    "each row read again at depth M (k < M < T), a sibling started where it "

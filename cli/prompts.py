@@ -7,6 +7,7 @@ import random
 import re
 from collections import defaultdict
 
+from cli.args import naming
 from data import stdlib
 from formats import chat
 from formats.checkpoints import tokenizer_stop_ids
@@ -17,6 +18,16 @@ def id_list(flag, text):
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated integers such as 1,2,3, "
                          f"not {text!r}") from None
+
+
+def eos_flag(args, model):
+    """--eos's ids, each in the vocabulary."""
+    ids = id_list("--eos", args.eos)
+    bad = [t for t in ids if not 0 <= t < model.args.vocab_size]
+    if bad:
+        raise ValueError(f"--eos {bad[0]} is outside the vocabulary "
+                         f"(0..{model.args.vocab_size - 1})")
+    return ids
 
 
 def default_eos(model):
@@ -39,7 +50,7 @@ def read_prompt(args, model):
         prompt, eos = id_list("--prompt-ids", args.prompt_ids), default_eos(model)
     else:
         prompt, eos = text_prompt(args, model, args.prompt)
-    return prompt, eos if args.eos is None else id_list("--eos", args.eos)
+    return prompt, eos if args.eos is None else eos_flag(args, model)
 
 
 def text_prompt(args, model, text):
@@ -80,20 +91,22 @@ def read_prompts(args, model):
     """--prompts-file: (line numbers, prompts' ids, stop ids: --eos, else the prompts' own). Lines
     of a .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
     lines, prompts, eos = [], [], set()
-    with open(args.prompts_file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids, stop = file_prompt(args, model, line, args.prompts_file.endswith(".jsonl"))
-            except ValueError as err:
-                raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
-            lines.append(n)
-            prompts.append(ids)
-            eos.update(stop or ())  # one model, one format: every prompt brings the same stop ids
+    with naming("--prompts-file", args.prompts_file), open(args.prompts_file,
+                                                         encoding="utf-8") as f:
+        text = f.read()
+    for n, line in enumerate(text.split("\n"), 1):  # newlines read as "\n", whatever they were
+        if not line.strip():
+            continue
+        try:
+            ids, stop = file_prompt(args, model, line, args.prompts_file.endswith(".jsonl"))
+        except ValueError as err:
+            raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
+        lines.append(n)
+        prompts.append(ids)
+        eos.update(stop or ())  # one model, one format: every prompt brings the same stop ids
     if not prompts:
         raise ValueError(f"{args.prompts_file} holds no prompt (blank lines are skipped)")
-    return lines, prompts, sorted(eos) if args.eos is None else id_list("--eos", args.eos)
+    return lines, prompts, sorted(eos) if args.eos is None else eos_flag(args, model)
 
 
 def encode_text(model, text):

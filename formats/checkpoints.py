@@ -168,11 +168,28 @@ def resolve(source, files=HUB_FILES, what="model folder"):
             folder = snapshot_download(source, allow_patterns=list(PICKLES))
         return folder
     except Exception as err:
-        raise ConnectionError(
-            f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {err}), "
-            "and there is no local folder of that name. The hub is unreachable from here or the id "
-            "is wrong; download it on a machine that can reach it and pass its local "
-            "folder instead") from err
+        raise ConnectionError(hub_error(source, err)) from err
+
+
+def hub_error(source, err):
+    """One line for a hub id that could not be fetched: which id, why (the hub cannot be reached,
+    or it has no such repo), and how to give a local folder instead."""
+    from huggingface_hub import errors
+    local = ("; download it on a machine that reaches the hub (huggingface-cli download "
+             f"{source}) and give the local folder's path instead of the id")
+    unreachable = (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, ConnectionError,
+                   TimeoutError)
+    if isinstance(err, errors.RepositoryNotFoundError) and not isinstance(err,
+                                                                         errors.GatedRepoError):
+        return (f"could not get {source!r} from the Hugging Face hub: no such repository (or a "
+                "private one), and no local folder has that name: check the id" + local)
+    if isinstance(err, unreachable) or "Connect" in type(err).__name__:
+        return (f"could not get {source!r} from the Hugging Face hub: the hub cannot be reached "
+                "from here (offline, or HF_HUB_OFFLINE set), and no local folder has that name"
+                + local)
+    first = " ".join(str(err).split("\n")[0].split())[:200]
+    return (f"could not get {source!r} from the Hugging Face hub ({type(err).__name__}: {first}), "
+            "and no local folder has that name" + local)
 
 
 def read_json(path):

@@ -51,6 +51,8 @@ def mix32(x):
 
 def seed_key(seed):
     """Any seed >= 0 folded into 32 bits, 32 bits at a time, on the host."""
+    if seed < 0:  # its shifts would never reach 0
+        raise ValueError(f"seed must be an integer >= 0, not {seed}")
     key = 0
     while True:
         key, seed = mix32((key + (seed & M32) + 0x9E3779B9) & M32), seed >> 32

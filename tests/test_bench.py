@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import cli.answers
 import models
 import wfd
 from cli import plain
@@ -66,6 +67,59 @@ def test_golden_checkpoint(capsys, tmp_path):
         assert len(cells) == len(bench.COLUMNS) and cells[-2] == "100%"  # every mode is exact
     assert table["AR"][3] == "1.00x" and table["AR"][8] == "4.00" and table["AR"][1] == "1"
     check_answers(tmp_path, "ouro_A", out)
+
+
+def small_run(folder, *extra):
+    return ["--model", os.path.join(HERE, "testdata", "ouro_A"), "--num-prompts", "2",
+            "--prompt-len", "4", "--max-new-tokens", "6", "--warmup", "0", "--methods", "wfd",
+            "--out", str(folder), *extra]
+
+
+def answer_files(folder):
+    return {p: open(os.path.join(folder, p)).read() for p in sorted(os.listdir(folder))}
+
+
+def test_a_rerun_keeps_the_answers_unless_told(capsys, tmp_path):
+    """bench.py --out D again, where D holds the answers of an earlier run: refused in one line
+    (status 2) naming --resume and --overwrite, every answer intact; --overwrite starts again."""
+    run_bench(capsys, small_run(tmp_path))
+    before = answer_files(tmp_path)
+    assert len(before) == 3 and all(before.values())
+    with pytest.raises(SystemExit) as exit:
+        run_bench(capsys, small_run(tmp_path))
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"error: --out {tmp_path} holds the answers of an earlier run")
+    assert "--resume" in err[-1] and "--overwrite" in err[-1]
+    assert answer_files(tmp_path) == before
+    with pytest.raises(SystemExit):
+        run_bench(capsys, small_run(tmp_path, "--resume", "--overwrite"))
+    assert "not --resume" in capsys.readouterr().err
+    run_bench(capsys, small_run(tmp_path, "--overwrite"))
+    after = answer_files(tmp_path)
+    assert after.keys() == before.keys() and after != before  # new answer ids and times
+    assert all(len(after[p].splitlines()) == 2 for p in after)
+
+
+def test_a_kill_while_resuming_loses_no_answer(capsys, tmp_path, monkeypatch):
+    """--resume writes the answers it keeps back: to a new file that then replaces the old one, so
+    that a kill while they are written (here: on the first write) leaves the old file whole."""
+    run_bench(capsys, small_run(tmp_path))
+    before = answer_files(tmp_path)
+    real_open = open
+
+    def killed(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode:
+            def kill(*_):
+                raise KeyboardInterrupt
+            f.write = f.writelines = kill
+        return f
+    monkeypatch.setattr(cli.answers, "open", killed, raising=False)  # the module's open alone
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        run_bench(capsys, small_run(tmp_path, "--resume"))
+    monkeypatch.undo()
+    assert {p: answer_files(tmp_path)[p] for p in before} == before
 
 
 @pytest.mark.skipif(not os.path.isdir(bench.DEMO), reason="no demo model (python demo/train.py)")
@@ -231,9 +285,11 @@ def test_paper_protocol(name, kind, tmp_path, capsys):
     assert all(cells[-2] == "100%" for cells in rows(text).values())
     if name == "Ouro-2.6B":
         assert ("beside ours: WFD 2.42x "
-                f"(ours {out['figs']['wfd']['tok_s'] / out['figs']['ar']['tok_s']:.2f}x)" in text)
+                f"(ours: {out['figs']['wfd']['tok_s'] / out['figs']['ar']['tok_s']:.2f}x)" in text)
     elif kind == "huginn":
-        assert "WFD 3.54x (ours " in text and "; WFD, shared KV 4.81x (ours " in text
+        assert "WFD 3.54x (ours: " in text and ("; WFD with the paper's cross-recurrence KV "
+                                                "sharing, lossy 4.81x (ours, another method: WFD "
+                                                "with this project's exact shared KV: ") in text
     else:
         assert "The paper reports no Spec-Bench speedup for Ouro-2.6B-Thinking." in text
 

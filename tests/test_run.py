@@ -3,7 +3,9 @@ before any output; --json is strict JSON; streamed text is whole characters."""
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -74,6 +76,7 @@ PROMPT_FILES = {  # name: content, each with one mistake (a line's named by its 
     "long.txt": "x = 1\n\n" + "y " * 300 + "\n",
     "blank.txt": "\n  \n\n",
     "two.txt": "a\nb\n",
+    "binary.txt": b"\x89PNG\r\n\x1a\n\x00\x00",
 }
 
 
@@ -81,8 +84,9 @@ PROMPT_FILES = {  # name: content, each with one mistake (a line's named by its 
 def prompt_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompts")
     for name, content in PROMPT_FILES.items():
-        (folder / name).write_text(content)
-    return {name: str(folder / name) for name in PROMPT_FILES}
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    (folder / "folder").mkdir()
+    return {name: str(folder / name) for name in [*PROMPT_FILES, "folder"]}
 
 
 CASES = [  # (script, arguments, what the one line says)
@@ -93,24 +97,43 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompt-ids", ",".join(["1"] * 300)], "exceeds the model's context of 256"),
     (run, ["--prompt", "x", "--draft-steps", "0"], "draft depth 0 is out of range"),
     (run, ["--prompt", "x", "--draft-steps", "99"], "draft depth 99 is out of range"),
-    (run, ["--prompt", "x", "--steps", "0"], "num_steps must be at least 1"),
-    (run, ["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+    (run, ["--prompt", "x", "--steps", "0"], "^error: --steps must be at least 1"),
+    (run, ["--prompt", "x", "--max-new-tokens", "0"],
+     "^error: --max-new-tokens must be a positive integer"),
+    (run, ["--prompt", "x", "--draft-len", "0"], "^error: --draft-len must be at least 1"),
+    (run, ["--prompt", "x", "--top-k", "0"], r"^error: --top-k must be an integer >= 1, not 0$"),
+    (run, ["--prompt", "x", "--temperature", "1", "--top-p", "2"],
+     r"^error: --top-p must be in \(0, 1\], not 2.0$"),
+    (run, ["--prompt", "x", "--temperature", "-1"], "^error: --temperature must be a finite"),
+    (run, ["--prompt", "x", "--seed", "-1"], "^error: --seed must be at least 0, not -1"),
+    (run, ["--prompt", "x", "--width", "1"], "^error: --width 1 is too small"),
+    (run, ["--prompt", "x", "--method", "dtv", "--second-depth", "3"],
+     r"^error: --second-depth is the wavefront's second proposal: --method wfd \(or ar, "
+     ".*not dtv$"),
     (run, ["--prompt", "x", "--max-new-tokens", "100000"], "exceeds the model's context"),
     (run, ["--prompt", "x", "--threads", "-2"], "--threads must be at least 1"),
     (run, ["--prompt", "x", "--eos", "2,a"], "--eos takes comma-separated integers"),
-    (run, ["--prompt", "x", "--eos", "5000"], "eos_token_id 5000 is outside the vocabulary"),
+    (run, ["--prompt", "x", "--eos", "5000"], "^error: --eos 5000 is outside the vocabulary"),
     (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"],
-     "not exact for draft-then-verify"),
+     "^error: --kv shared is not exact for draft-then-verify.*; use --kv full$"),
     (run, ["--prompt", "x", "--steps", "four"], "argument --steps: invalid int value"),
-    (run, ["--prompt", "x", "--model", "./demo2"], "no such model folder: ./demo2"),
+    (run, ["--prompt", "x", "--model", "./demo2"],
+     "^error: --model: no such model folder: ./demo2"),
     (run, ["--prompt", "x", "--model", "nobody/no-such-model"],
-     "could not get 'nobody/no-such-model' from the Hugging Face hub"),
+     "^error: --model: could not get 'nobody/no-such-model' from the Hugging Face hub: the hub "
+     "cannot be reached from here .* give the local folder's path instead of the id$"),
+    (run, ["--prompt", "x", "--model", "binary.txt"],
+     "^error: --model: .*binary.txt is a file, not a model folder"),
+    (run, ["--prompt", "x", "--model", "folder"], "^error: --model: no config.json in .*folder"),
     (run, ["--prompt", "x", "--device", "cuda"], "device 'cuda': this torch .* has no CUDA"),
     (run, ["--prompt", "x", "--model", OURO_A],
      "has no tokenizer.json: pass --tokenizer, or --prompt-ids"),
     (run, ["--prompt", "x", "--tokenizer", "./no_such_tokenizer"],
      "no such tokenizer file or folder: ./no_such_tokenizer"),
-    (run, ["--prompt", "x", "--tokenizer", OURO_A], "no tokenizer.json in .*ouro_A"),
+    (run, ["--prompt", "x", "--tokenizer", OURO_A],
+     "^error: --tokenizer: no tokenizer.json in .*ouro_A"),
+    (run, ["--prompt", "x", "--tokenizer", "binary.txt"],
+     "^error: --tokenizer: .*binary.txt is not a tokenizer.json"),
     (run, ["--prompt", "x", "--model", "config"], r"config\.json is not valid JSON"),
     (run, ["--prompt", "x", "--model", "truncated"],
      r"model\.safetensors is not a readable safetensors file"),
@@ -132,9 +155,13 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompts-file", "vocab.jsonl"],
      r"line 1: prompt token 2048 is outside the vocabulary"),
     (run, ["--prompts-file", "long.txt"],
-     r"long\.txt line 3: prompt \(\d+ tokens\) \+ max_new_tokens"),
+     r"long\.txt line 3: prompt \(\d+ tokens\) \+ --max-new-tokens \(128\)"),
     (run, ["--prompts-file", "blank.txt"], r"blank\.txt holds no prompt"),
-    (run, ["--prompts-file", "no_such.txt"], "No such file or directory: 'no_such.txt'"),
+    (run, ["--prompts-file", "no_such.txt"],
+     "^error: --prompts-file no_such.txt: No such file or directory$"),
+    (run, ["--prompts-file", "binary.txt"],
+     r"^error: --prompts-file .*binary.txt: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+    (run, ["--prompts-file", "folder"], "^error: --prompts-file .*folder: Is a directory$"),
     (run, ["--prompts-file", "two.txt", "--batch-size", "0"], "--batch-size must be at least 1"),
     (run, ["--prompt", "x", "--batch-size", "2"], "--batch-size needs --prompts-file"),
     (run, ["--prompts-file", "two.txt", "--prompt", "x"],
@@ -147,11 +174,20 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--batch-size", "0"], "--batch-size must be at least 1"),
     (bench, ["--methods", "wfd,beam"], "unknown method 'beam'"),
     (bench, ["--limit", "1", "--draft-steps", "9"], "draft depth 9 is out of range"),
-    (bench, ["--random-weights", "no_such.json"], "No such file or directory: 'no_such.json'"),
+    (bench, ["--random-weights", "no_such.json"],
+     "^error: --random-weights no_such.json: No such file or directory$"),
+    (bench, ["--random-weights", "binary.txt"],
+     "^error: --random-weights: .*binary.txt is not valid JSON"),
+    (bench, ["--questions", "binary.txt"],
+     r"^error: --questions .*binary.txt: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+    (bench, ["--seed", "-1"], "^error: --seed must be at least 0, not -1"),
+    (bench, ["--model", "nobody/no-such-model"],
+     "^error: --model: could not get 'nobody/no-such-model' from the Hugging Face hub: the hub "
+     "cannot be reached"),
     (bench, ["--paper", "--random-weights", "x.json"],
      "--paper runs the Spec-Bench questions through a checkpoint's"),
     (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
-    (bench, ["--tokenizer", "tokenizer"], r"tokenizer\.json is not a tokenizer\.json"),
+    (bench, ["--tokenizer", "tokenizer"], r"^error: --tokenizer: .*tokenizer\.json is not a"),
 ]
 
 
@@ -180,6 +216,41 @@ def test_no_traceback_at_the_process_level(damaged):
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
         assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
+def test_an_offline_hub_id_is_one_line(tmp_path):
+    """A hub id with the hub out of reach (HF_HUB_OFFLINE, an empty cache): one line naming the
+    flag and the id, that the hub cannot be reached, and how to give a local folder."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "none"),
+               HF_HUB_CACHE=str(tmp_path / "none" / "hub"))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--model",
+                        "ByteDance/Ouro-2.6B", "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("error: --model: could not get 'ByteDance/Ouro-2.6B' from the "
+                               "Hugging Face hub: the hub cannot be reached from here")
+    assert "give the local folder's path instead of the id" in p.stderr and len(p.stderr) < 400
+
+
+@pytest.mark.parametrize("script", ["run.py", "bench.py"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_status_130(script):
+    """SIGINT while the modules import (torch takes a second or more): one line, status 130.
+    -X importtime reports each import as it ends, so the signal is sent once torch's own modules
+    have begun to arrive, with torch itself still importing."""
+    p = subprocess.Popen([sys.executable, "-X", "importtime", os.path.join(ROOT, script),
+                          "--prompt", "x"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stderr:
+        seen.append(line)
+        if re.search(r"\|\s+torch\.", line):
+            break
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    assert p.wait(timeout=60) == 130, rest
+    assert not re.search(r"\|\s*torch$", "".join(seen), re.M)  # torch had not finished importing
+    mine = [line for line in rest.splitlines() if not line.startswith("import time:")]
+    assert mine == ["interrupted"], rest[-2000:]
 
 
 def test_a_closed_pipe_ends_quietly():
@@ -265,6 +336,26 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
 
 
 # -- many prompts: --prompts-file ------------------------------------------------------------------
+
+
+def test_the_readmes_prompts_file_command_runs(capsys):
+    """The README's --prompts-file command, as written (16 new tokens instead of 128, for time),
+    on the prompts file the project ships: one JSON line per prompt."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        line = next(line for line in f if line.startswith("python run.py --prompts-file "))
+    argv = shlex.split(line.split("#")[0])[2:]
+    path = argv[argv.index("--prompts-file") + 1]
+    with open(os.path.join(ROOT, path)) as f:
+        n = sum(1 for line in f if line.strip())
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)  # the README's commands run in the project
+        run.main(argv + ["--max-new-tokens", "16"])
+    finally:
+        os.chdir(cwd)
+    out = [strict(line) for line in capsys.readouterr().out.splitlines()]
+    assert n >= 4 and sorted(o["index"] for o in out) == list(range(n))
+
 
 LINES = ["def f(x):", "import os", "class A:"]
 
