@@ -12,7 +12,7 @@ import torch
 
 import wfd
 from cli import args
-from runtime import compiling, transfers
+from runtime import checks, compiling, memory, transfers
 from test_batch import prompts_for
 from test_siblings import FAMILIES, model_of
 from test_wfd import DEVICE, same_logits
@@ -145,3 +145,30 @@ def test_every_cuda_device_compiles_by_default(device, flags, compiled):
     parsed.device = device  # --device names its choices; the rule takes any CUDA device
     args.resolve_compile(parsed)
     assert parsed.compile == compiled
+
+
+# -- the rest of runtime/ that the quick suite's decoding does not reach -------------------------
+
+def test_static_caches_keep_the_latest_two_settings_and_free_memory_without_meminfo(monkeypatch):
+    model = model_of("ouro", 0, torch.float32)
+    caches = [memory.static_cache(model, capacity, model.num_steps, None)
+              for capacity in (8, 16, 8, 32)]
+    assert caches[0] is caches[2] and caches[1] is not caches[3]  # 8 was used again: kept
+    assert list(memory.STATIC_CACHES[model].values()) == [caches[2], caches[3]]
+    memory.free_static_caches(model)
+    assert model not in memory.STATIC_CACHES
+    # compiled decoding's default capacity: a power of two, one key block at least, the context
+    # at most
+    assert [checks.compiled_capacity(model, n) for n in (1, 9, 17, 1000)] == [
+        8, 16, 32, model.args.max_seq_len]
+
+    def missing(*args, **kw):
+        raise FileNotFoundError("/proc/meminfo")
+    monkeypatch.setattr("builtins.open", missing)
+    assert memory.free_memory(torch.device("cpu")) is None
+
+
+def test_compile_graphs_at_a_capacity_of_one_position_compiles_nothing(imitation):
+    """Position 0 is the prefill's: a capacity of 1 leaves no call to warm up."""
+    model = model_of("ouro", 0, torch.float32)
+    assert wfd.compile_graphs(model, [1], 1, capacity=1) == 0
