@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import kv
 import wfd
 from cli import args
 from runtime import checks, compiling, memory, transfers
@@ -172,3 +173,25 @@ def test_compile_graphs_at_a_capacity_of_one_position_compiles_nothing(imitation
     """Position 0 is the prefill's: a capacity of 1 leaves no call to warm up."""
     model = model_of("ouro", 0, torch.float32)
     assert wfd.compile_graphs(model, [1], 1, capacity=1) == 0
+
+
+def test_a_patched_block_reads_what_a_gathered_block_does():
+    """Compiled decoding reads the branch columns through a Patch of every key block (one graph
+    for every call), eager through each row's gathered columns: the same keys, with redirects at a
+    block's first and last columns. (Compiled, these lines run only inside dynamo's trace, where
+    coverage sees none.)"""
+    model = model_of("ouro", 0, torch.float64)
+    cache = kv.make_cache(model, 16, model.num_steps, batch=1, branches=3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(0),
+                              dtype=cache.k.dtype))
+    lanes = lambda *rows: torch.tensor(rows)
+    q = lanes([8, 3, -1], [15, 7, 0], [-1, -1, -1])  # positions read from a branch: -1 none
+    j = lanes([0, 1, -1], [2, 0, 1], [-1, -1, -1])  # their branches
+    last, rows = lanes([9], [15], [12]), lanes(0, 1, 2)
+    blocks = {gather: cache.key_blocks(last, 2, branches=kv.Branches(lanes(0, 1, -1), q, j,
+                                                                       gather))
+              for gather in (None, 0)}
+    for patched, gathered in zip(blocks[None], blocks[0]):
+        assert isinstance(patched[3], kv.Patch) and torch.is_tensor(gathered[3])
+        assert torch.equal(kv.read(patched[0], cache.k, rows, patched[3]),
+                           kv.read(gathered[0], cache.k, rows, gathered[3]))
