@@ -146,6 +146,10 @@ def test_every_cuda_device_compiles_by_default(device, flags, compiled):
     parsed.device = device  # --device names its choices; the rule takes any CUDA device
     args.resolve_compile(parsed)
     assert parsed.compile == compiled
+    assert args.compiling_line(3, 1.25, torch.device(device)).endswith(
+        ", CUDA graphs; --eager runs without)" if "cuda" in device else "s (torch.compile)")
+    with pytest.raises(ValueError, match="--compile and --eager contradict each other"):
+        args.resolve_compile(p.parse_args(["--compile", "--eager"]))
 
 
 # -- the rest of runtime/ that the quick suite's decoding does not reach -------------------------
