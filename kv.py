@@ -354,7 +354,9 @@ class SharedKVCache(KVCache):
         final_col = torch.where(step.depth == self.num_steps - 1, at, self.scratch)
         older = self.key_blocks(window[:, :1] - 1, span, (self.final_k, self.final_v))  # p - W
         seq = torch.arange(len(at), device=at.device) // (len(at) // self.batch)
-        return SharedStep(**vars(step), seq=seq, ring_col=ring_col, final_col=final_col,
+        # Step's fields by name, not vars(step): torch 2.11's dynamo cannot trace a __dict__
+        return SharedStep(**{f: getattr(step, f) for f in Step.__dataclass_fields__}, seq=seq,
+                          ring_col=ring_col, final_col=final_col,
                           window_col=window_col, window_seen=mask(window >= 0, self.k.dtype),
                           older=older)
 

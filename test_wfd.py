@@ -742,6 +742,24 @@ def test_bad_input_gives_clear_errors(ouro):
         wfd.generate(ouro, [1, 2], 5, capacity=5)
     with pytest.raises(ValueError, match="method must be"):
         wfd.generate(ouro, [1], 5, method="beam")
+    for settings, message in ((dict(kv="paged"), "kv must be 'full' or 'shared', not 'paged'"),
+                              (dict(method="dtv", draft_len=0), "draft_len must be at least 1"),
+                              (dict(draft_steps=1, second_depth=4), r"second depth 4 is out of "
+                               r"range: it must lie between the draft depth 1 and the full "
+                               r"depth 4 \(k < m < T\)"),
+                              (dict(method="dtv", draft_steps=1, second_depth=2),
+                               "second_depth is the wavefront's second proposal"),
+                              (dict(compile=1), "compile must be True or False, not 1")):
+        with pytest.raises(ValueError, match=message):
+            wfd.generate(ouro, [1], 5, **settings)
+    with pytest.raises(ValueError, match="state_init must be 'random' or 'zero', not 'ones'"):
+        models.load(GOLDEN["ouro_A"], state_init="ones")
+    with pytest.raises(ValueError, match="257 positions exceed the model's context of 256"):
+        ouro.logits([1] * 257)
+    with pytest.raises(ValueError, match="an explicit initial state is only defined for Huginn"):
+        ouro.logits([1, 2], state=torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="a call of 3 lanes cannot split evenly over 2 sequences"):
+        kv.make_cache(ouro, 8, 4, batch=2).prepare(torch.tensor([0, 1, 2]), 0, 1)
     for eos, message in (("2", "not '2'"), (2.0, "not 2.0"), ([1, "2"], "holds '2'"),
                          ([True], "holds True"),
                          ([1, 128], "eos_token_id 128 is outside the vocabulary"),

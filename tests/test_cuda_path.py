@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 
+import kv
 import wfd
 from cli import args
-from runtime import compiling, transfers
+from runtime import checks, compiling, memory, transfers
 from test_batch import prompts_for
 from test_siblings import FAMILIES, model_of
 from test_wfd import DEVICE, same_logits
@@ -145,3 +146,56 @@ def test_every_cuda_device_compiles_by_default(device, flags, compiled):
     parsed.device = device  # --device names its choices; the rule takes any CUDA device
     args.resolve_compile(parsed)
     assert parsed.compile == compiled
+    assert args.compiling_line(3, 1.25, torch.device(device)).endswith(
+        ", CUDA graphs; --eager runs without)" if "cuda" in device else "s (torch.compile)")
+    with pytest.raises(ValueError, match="--compile and --eager contradict each other"):
+        args.resolve_compile(p.parse_args(["--compile", "--eager"]))
+
+
+# -- the rest of runtime/ that the quick suite's decoding does not reach -------------------------
+
+def test_static_caches_keep_the_latest_two_settings_and_free_memory_without_meminfo(monkeypatch):
+    model = model_of("ouro", 0, torch.float32)
+    caches = [memory.static_cache(model, capacity, model.num_steps, None)
+              for capacity in (8, 16, 8, 32)]
+    assert caches[0] is caches[2] and caches[1] is not caches[3]  # 8 was used again: kept
+    assert list(memory.STATIC_CACHES[model].values()) == [caches[2], caches[3]]
+    memory.free_static_caches(model)
+    assert model not in memory.STATIC_CACHES
+    # compiled decoding's default capacity: a power of two, one key block at least, the context
+    # at most
+    assert [checks.compiled_capacity(model, n) for n in (1, 9, 17, 1000)] == [
+        8, 16, 32, model.args.max_seq_len]
+
+    def missing(*args, **kw):
+        raise FileNotFoundError("/proc/meminfo")
+    monkeypatch.setattr("builtins.open", missing)
+    assert memory.free_memory(torch.device("cpu")) is None
+
+
+def test_compile_graphs_at_a_capacity_of_one_position_compiles_nothing(imitation):
+    """Position 0 is the prefill's: a capacity of 1 leaves no call to warm up."""
+    model = model_of("ouro", 0, torch.float32)
+    assert wfd.compile_graphs(model, [1], 1, capacity=1) == 0
+
+
+def test_a_patched_block_reads_what_a_gathered_block_does():
+    """Compiled decoding reads the branch columns through a Patch of every key block (one graph
+    for every call), eager through each row's gathered columns: the same keys, with redirects at a
+    block's first and last columns. (Compiled, these lines run only inside dynamo's trace, where
+    coverage sees none.)"""
+    model = model_of("ouro", 0, torch.float64)
+    cache = kv.make_cache(model, 16, model.num_steps, batch=1, branches=3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(0),
+                              dtype=cache.k.dtype))
+    lanes = lambda *rows: torch.tensor(rows)
+    q = lanes([8, 3, -1], [15, 7, 0], [-1, -1, -1])  # positions read from a branch: -1 none
+    j = lanes([0, 1, -1], [2, 0, 1], [-1, -1, -1])  # their branches
+    last, rows = lanes([9], [15], [12]), lanes(0, 1, 2)
+    blocks = {gather: cache.key_blocks(last, 2, branches=kv.Branches(lanes(0, 1, -1), q, j,
+                                                                       gather))
+              for gather in (None, 0)}
+    for patched, gathered in zip(blocks[None], blocks[0]):
+        assert isinstance(patched[3], kv.Patch) and torch.is_tensor(gathered[3])
+        assert torch.equal(kv.read(patched[0], cache.k, rows, patched[3]),
+                           kv.read(gathered[0], cache.k, rows, gathered[3]))
