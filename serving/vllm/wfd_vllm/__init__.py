@@ -10,20 +10,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
-# config.json's architectures entry -> model_type, for each family the plugin serves
-ARCHITECTURES = {"OuroForCausalLM": "ouro"}
+from transformers import PretrainedConfig  # noqa: E402
+
+
+class OuroConfig(PretrainedConfig):
+    """config.json's keys as attributes (formats/configs.py reads them); at module level, so that
+    vLLM's worker processes can unpickle it."""
+    model_type = "ouro"
+
+
+# config.json's architectures entry -> its config class, for each family the plugin serves
+ARCHITECTURES = {"OuroForCausalLM": OuroConfig}
 
 
 def register():
     """Called by vLLM in every process it starts: the architectures, and their config classes
     (transformers knows none of these model types)."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    for arch, model_type in ARCHITECTURES.items():
-        config = type(f"{arch}Config", (PretrainedConfig,), {"model_type": model_type})
+    for arch, config in ARCHITECTURES.items():
         try:
-            AutoConfig.register(model_type, config)
+            AutoConfig.register(config.model_type, config)
         except ValueError:  # registered already in this process
             pass
         if arch not in ModelRegistry.get_supported_archs():
