@@ -87,16 +87,27 @@ def prompts(demo):
     return train_demo.eval_prompts(demo.tokenizer, count=3)
 
 
-def tiny_ouro(folder, **config):
-    """A random-weight Ouro checkpoint in the hub format, head_dim 32 (the CPU attention backend's
-    smallest), grouped-query attention, with the demo's tokenizer."""
-    config = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 64,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-              "intermediate_size": 96, "vocab_size": 2048, "num_hidden_layers": 2,
-              "total_ut_steps": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 0,
-              "torch_dtype": "float32", **config}
-    model = models.from_config(config, init_seed=1)
+TINY = {  # random-weight configs in the hub format, head_dim 32 (the CPU attention's smallest)
+    "ouro": {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 64,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+             "intermediate_size": 96, "vocab_size": 2048, "num_hidden_layers": 2,
+             "total_ut_steps": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 256, "tie_word_embeddings": True, "eos_token_id": 0,
+             "torch_dtype": "float32"},
+    "huginn": {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven", "n_embd": 64,
+               "n_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96,
+               "vocab_size": 2048, "padded_vocab_size": 2048, "n_layers": 4,
+               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+               "n_layers_in_coda": 1, "mean_recurrence": 4, "block_size": 256,
+               "rope_base": 50000.0, "norm_eps": 1e-6, "qk_bias": True, "tie_embeddings": True,
+               "injection_type": "linear", "init_values": {"std": 0.08, "embed_scale": 8.0},
+               "eos_token_id": 0, "torch_dtype": "float32"},
+}
+
+
+def tiny(folder, family="ouro", **config):
+    """A random-weight checkpoint of the family in the hub format, with the demo's tokenizer."""
+    model = models.from_config({**TINY[family], **config}, init_seed=1)
     models.save(model, folder)
     shutil.copy(os.path.join(DEMO, "tokenizer.json"), folder)
     return models.load(folder)
@@ -116,8 +127,9 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
         check_equals_ar(demo, prompts, greedy(llm, prompts))
 
 
-def test_tiny_random_ouro_equals_ar(tmp_path):
-    model = tiny_ouro(tmp_path, tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_tiny_random_family_equals_ar(tmp_path, family):
+    model = tiny(tmp_path, family)
     prompts = [[5, 17, 300, 9], list(range(40, 70))]
     with engine(tmp_path, 3, 2) as llm:
         check_equals_ar(model, prompts, greedy(llm, prompts))
@@ -133,7 +145,7 @@ def start_up_error(folder, **settings):
 
 def test_bad_input_is_refused_at_start_up(tmp_path):
     assert "wfd_draft_steps=4 must be an integer in 1..3" in start_up_error(DEMO, n=2, k=4)
-    tiny_ouro(tmp_path / "hd16", hidden_size=32, head_dim=16)
+    tiny(tmp_path / "hd16", hidden_size=32, head_dim=16)
     assert "head_dim 16 is not served" in start_up_error(tmp_path / "hd16")
     folder = tmp_path / "unknown"
     shutil.copytree(DEMO, folder)
@@ -141,7 +153,7 @@ def test_bad_input_is_refused_at_start_up(tmp_path):
     (folder / "config.json").write_text(json.dumps(dict(config, architectures=["NopeForCausalLM"])))
     assert "NopeForCausalLM" in start_up_error(folder)
     folder = tmp_path / "missing"
-    tiny_ouro(folder)
+    tiny(folder)
     from safetensors.torch import load_file, save_file
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]

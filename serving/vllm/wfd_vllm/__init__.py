@@ -19,8 +19,15 @@ class OuroConfig(PretrainedConfig):
     model_type = "ouro"
 
 
+class HuginnConfig(PretrainedConfig):
+    """huginn-0125's config.json, its sizes under the names vLLM reads."""
+    model_type = "huginn_raven"
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
+                     "num_hidden_layers": "n_layers", "max_position_embeddings": "block_size"}
+
+
 # config.json's architectures entry -> its config class, for each family the plugin serves
-ARCHITECTURES = {"OuroForCausalLM": OuroConfig}
+ARCHITECTURES = {"OuroForCausalLM": OuroConfig, "RavenForCausalLM": HuginnConfig}
 
 
 def register():

@@ -1,16 +1,21 @@
-"""A looped LM (Ouro) on vLLM's tensor-parallel layers and paged attention, and its own draft.
+"""Looped LMs (Ouro, Huginn) on vLLM's tensor-parallel layers and paged attention, drafting from
+their own shallow depth.
 
-The weight-shared block runs T times per token, as models.py's R does; every (depth d, layer j) has an
-`Attention` layer of its own (layers.{d L + j}: vLLM wants one index in a layer's name), so each depth keeps its own paged KV (models.py's KV slot per depth),
-while the depths share the layer's weights. The norms, RoPE and SwiGLU are the project's
-(layers/transformer.py), the configs and the checkpoints' tensor names are formats/'s.
+P, R and C are models.py's: P embeds the tokens (Huginn: and runs the prelude, whose output e every
+recurrence reads through the adapter, from an initial state drawn per position), R runs the
+weight-shared block (Ouro: then its norm), T times per token, C reads the state out (Huginn: ln_f,
+the coda, ln_f). Every prelude and coda layer, and every (depth d, core layer j), has an
+`Attention` layer of its own (named layers.{i}: vLLM wants one index in a layer's name), so each
+depth keeps its own paged KV (models.py's KV slot per depth) while the depths share the layer's
+weights. The norms, RoPE, SwiGLU and Huginn's initial state are the project's (layers/,
+runtime/sampling.py); the configs and the checkpoints' tensor names are formats/'s.
 
 Self-speculation: vLLM's `speculative_config={"method": "draft_model", "model": <the same
 checkpoint>, ...}` builds this class a second time as the draft (prefix "draft_model"). The draft
 runs the same checkpoint at its draft depth k: the target's `wfd_draft_steps` (settable per run by
-`hf_overrides={"wfd_draft_steps": k}`, which vLLM applies to the target's config only), else the
-config's, else max(1, T // 8). It takes the target's weights by reference (the target is built
-first, in the same process): it owns no parameter, only its k x L attention layers and their KV.
+`hf_overrides={"wfd_draft_steps": k}`, which vLLM applies to the target's config only), else
+max(1, T // 8). It takes the target's weights by reference (the target is built first, in the
+same process): it owns no parameter, only its attention layers (k x L in the core) and their KV.
 """
 import os
 import weakref
@@ -19,10 +24,10 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                               RowParallelLinear)
+                                               ReplicatedLinear, RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
@@ -30,12 +35,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from formats import checkpoints
 from layers.transformer import apply_rope, rms_norm, rope_table, swiglu
-from models import ModelArgs
+from models import S0_STREAM, ModelArgs
+from runtime import sampling
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
-SERVED = ("ouro",)  # the families this module runs (ModelArgs.kind)
+SERVED = ("ouro", "huginn")  # the families this module runs (ModelArgs.kind)
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
+SEED = 0  # models.LoopedLM's default seed: Huginn's initial state, drawn as models.py draws it
 _targets = {}  # checkpoint folder -> the target model built last for it in this process (weakref)
 
 
@@ -60,15 +67,15 @@ def draft_depth(vllm_config, T):
 
 
 class LoopedBlock(nn.Module):
-    """One weight-shared layer, this rank's shard: layers.transformer.Block's arithmetic (Ouro's
-    sandwich norms: x + norm(f(norm(x)))) on vLLM's parallel linears; attention by the `attn`
-    layer of the depth it runs at."""
+    """One layer, this rank's shard: layers.transformer.Block's arithmetic (Ouro's x + norm(f(norm
+    x)), Huginn's norm(x + f(norm x)) with a bias on q and k and RoPE on adjacent pairs) on vLLM's
+    parallel linears; attention by the `attn` layer of the depth it runs at."""
 
     def __init__(self, a, prefix):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
-        self.eps, self.head_dim = a.norm_eps, a.head_dim
-        self.q_size = a.n_heads // tp * a.head_dim
+        self.args, self.heads = a, a.n_heads // tp
+        self.q_size = self.heads * a.head_dim
         self.kv_size = max(1, a.n_kv_heads // tp) * a.head_dim
         self.qkv = QKVParallelLinear(a.dim, a.head_dim, a.n_heads, a.n_kv_heads,
                                      bias=False, prefix=f"{prefix}.qkv")
@@ -76,19 +83,36 @@ class LoopedBlock(nn.Module):
                                       prefix=f"{prefix}.proj")
         self.fc = MergedColumnParallelLinear(a.dim, [a.hidden_dim] * 2, bias=False,
                                              prefix=f"{prefix}.fc")
-        self.down = RowParallelLinear(a.hidden_dim, a.dim, bias=False,
-                                      prefix=f"{prefix}.down")
+        self.down = RowParallelLinear(a.hidden_dim, a.dim, bias=False, prefix=f"{prefix}.down")
         for name in checkpoints.NORMS:
             setattr(self, name, nn.Parameter(torch.ones(a.dim), requires_grad=False))
+        if a.qk_bias:  # [2, 1, heads, head_dim]: this rank's heads
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, a.head_dim),
+                                        requires_grad=False)
+            self.qk_bias.weight_loader = self.load_qk_bias
+        else:
+            self.qk_bias = None
+
+    def load_qk_bias(self, param, loaded):
+        first = get_tensor_model_parallel_rank() * self.heads
+        param.data.copy_(loaded[:, :, first:first + self.heads])
 
     def forward(self, x, cos, sin, attn):
-        q, k, v = self.qkv(rms_norm(x, self.attn_norm, self.eps))[0].split(
+        a = self.args
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm, a.norm_eps))[0].split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = (apply_rope(t.unflatten(-1, (-1, self.head_dim)), cos, sin, False).flatten(1)
-                for t in (q, k))
-        x = x + rms_norm(self.proj(attn(q, k, v))[0], self.attn_out_norm, self.eps)
-        h = swiglu(self.fc(rms_norm(x, self.mlp_norm, self.eps))[0])
-        return x + rms_norm(self.down(h)[0], self.mlp_out_norm, self.eps)
+        q, k = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k))
+        if self.qk_bias is not None:
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        q, k = (apply_rope(t, cos, sin, a.interleaved_rope).flatten(1) for t in (q, k))
+        x = self.residual(x, self.proj(attn(q, k, v))[0], self.attn_out_norm)
+        h = swiglu(self.fc(rms_norm(x, self.mlp_norm, a.norm_eps))[0])
+        return self.residual(x, self.down(h)[0], self.mlp_out_norm)
+
+    def residual(self, x, h, norm):
+        if self.args.post_norm:
+            return rms_norm(h + x, norm, self.args.norm_eps)
+        return x + rms_norm(h, norm, self.args.norm_eps)
 
 
 class LoopedWeights(nn.Module):
@@ -98,13 +122,18 @@ class LoopedWeights(nn.Module):
 
     def __init__(self, a, prefix):
         super().__init__()
+        blocks = lambda name, n: nn.ModuleList(LoopedBlock(a, f"{prefix}.{name}.{i}")
+                                               for i in range(n))
         self.embed = VocabParallelEmbedding(a.vocab_size, a.dim, prefix=f"{prefix}.embed")
-        self.core = nn.ModuleList(LoopedBlock(a, f"{prefix}.core.{j}") for j in range(a.n_core))
+        self.prelude, self.core = blocks("prelude", a.n_prelude), blocks("core", a.n_core)
+        self.coda = blocks("coda", a.n_coda)
+        self.adapter = a.inject and ReplicatedLinear(2 * a.dim, a.dim, bias=False,
+                                                     prefix=f"{prefix}.adapter") or None
         self.norm = nn.Parameter(torch.ones(a.dim), requires_grad=False)
         self.lm_head = ParallelLMHead(a.vocab_size, a.dim, prefix=f"{prefix}.lm_head")
         if a.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
-        cos, sin = rope_table(a)
+        cos, sin = rope_table(a)  # Huginn's: its checkpoint's table, read by load_weights
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -132,35 +161,51 @@ class LoopedForCausalLM(nn.Module):
             self.weights = LoopedWeights(a, f"{prefix}.weights" if prefix else "weights")
             _targets[self.folder] = weakref.ref(self)
         tp = get_tensor_model_parallel_world_size()
-        hd = a.head_dim
+        hd, name = a.head_dim, f"{prefix + '.' if prefix else ''}layers"
+        # prelude, then the core at each depth, then coda
+        n_attn = a.n_prelude + self.depth * a.n_core + a.n_coda
         self.attn = nn.ModuleList(
             Attention(a.n_heads // tp, hd, hd ** -0.5, num_kv_heads=max(1, a.n_kv_heads // tp),
-                      cache_config=vllm_config.cache_config,
-                      prefix=f"{prefix + '.' if prefix else ''}layers.{d * L + j}.attn")
-            for d in range(self.depth) for j in range(L))
+                      cache_config=vllm_config.cache_config, prefix=f"{name}.{i}.attn")
+            for i in range(n_attn))
         sizes = self.attn[0].attn_backend.get_supported_head_sizes()
         if sizes and hd not in sizes:
             raise ValueError(f"head_dim {hd} is not served by vLLM's "
                              f"{self.attn[0].attn_backend.get_name()} attention backend, which "
                              f"takes {sizes}")
         self.logits_processor = LogitsProcessor(a.vocab_size)
+        self.s0_key = sampling.mix32(sampling.seed_key(SEED) ^ S0_STREAM)
 
     def embed_input_ids(self, input_ids):
-        return self.weights.embed(input_ids)
+        return self.weights.embed(input_ids) * self.args.embed_scale
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
-        """The final state after `depth` recurrences (P, then R `depth` times: Ouro's norm after
-        each), the attention of (depth d, layer j) in its own layer."""
-        w = self.weights
+        """The state C reads logits from: P, R `depth` times, then C up to the head."""
+        w, a = self.weights, self.args
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = w.rope_cos[positions], w.rope_sin[positions]
-        L = len(w.core)
+
+        def layers(blocks, x, first):  # the blocks, attending through attn[first], ...
+            for i, block in enumerate(blocks):
+                x = block(x, cos, sin, self.attn[first + i])
+            return x
+
+        e, s = (layers(w.prelude, x, 0), self.initial_state(positions)) if a.inject else (None, x)
         for d in range(self.depth):
-            for j, block in enumerate(w.core):
-                x = block(x, cos, sin, self.attn[d * L + j])
-            x = rms_norm(x, w.norm, self.args.norm_eps)
-        return x
+            h = w.adapter(torch.cat([s, e], dim=-1))[0] if a.inject else s
+            s = layers(w.core, h, a.n_prelude + d * a.n_core)
+            s = rms_norm(s, w.norm, a.norm_eps) if a.norm_each_step else s
+        s = rms_norm(s, w.norm, a.norm_eps) if a.norm_before_coda else s
+        s = layers(w.coda, s, a.n_prelude + self.depth * a.n_core)
+        return s if a.norm_each_step else rms_norm(s, w.norm, a.norm_eps)
+
+    def initial_state(self, positions):
+        """Huginn's s0: models.LoopedLM.initial_state's draw ("random", seed 0), a function of
+        the position alone."""
+        a = self.args
+        z = sampling.truncated_normal(self.s0_key, positions, a.dim)
+        return (z * (a.init_std * a.embed_scale)).to(self.weights.norm.dtype)
 
     def compute_logits(self, hidden_states):
         return self.logits_processor(self.weights.lm_head, hidden_states)
@@ -172,8 +217,9 @@ class LoopedForCausalLM(nn.Module):
         if self.is_draft:
             return set()
         tensors = dict(weights)
-        layout, _, _ = checkpoints.checkpoint_layout(self.args)
+        layout, _, rope = checkpoints.checkpoint_layout(self.args)
         missing = sorted(k for parts in layout.values() for k, _ in parts if k not in tensors)
+        missing += [rope] if rope and rope not in tensors else []
         if missing:
             raise ValueError(f"checkpoint {self.folder} lacks tensor {missing[0]!r}"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
@@ -187,4 +233,7 @@ class LoopedForCausalLM(nn.Module):
                 for (key, _), shard in zip(parts, SHARD_IDS[name.split(".", 2)[-1]]):
                     loader(param, tensors[key], shard)
             loaded.add("weights." + name)
+        if rope:  # Huginn's stored RoPE table, [1, positions, 1, head_dim / 2, (cos, sin)]
+            for i, buffer in enumerate((self.weights.rope_cos, self.weights.rope_sin)):
+                buffer.copy_(tensors[rope][0, :, 0, :, i])
         return loaded
