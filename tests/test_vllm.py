@@ -103,6 +103,14 @@ TINY = {  # random-weight configs in the hub format, head_dim 32 (the CPU attent
                "injection_type": "linear", "init_values": {"std": 0.08, "embed_scale": 8.0},
                "eos_token_id": 0, "torch_dtype": "float32"},
 }
+# the Raven retrofits: huginn_raven configs, their blocks told apart by the checkpoint's tensors
+RETROFIT = dict(TINY["huginn"], num_key_value_heads=1, qk_bias=False, tie_embeddings=False,
+                rope_theta=10000.0, max_position_embeddings=256,
+                init_values={"std": 0.08, "embed_scale": 1.0})
+TINY["llama"] = dict(RETROFIT, wfd_layout="llama", rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=16))
+TINY["olmo2"] = dict(RETROFIT, wfd_layout="olmo2")
 
 
 def tiny(folder, family="ouro", **config):
@@ -127,7 +135,7 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
         check_equals_ar(demo, prompts, greedy(llm, prompts))
 
 
-@pytest.mark.parametrize("family", ["ouro", "huginn"])
+@pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2"])
 def test_tiny_random_family_equals_ar(tmp_path, family):
     model = tiny(tmp_path, family)
     prompts = [[5, 17, 300, 9], list(range(40, 70))]
@@ -221,8 +229,12 @@ def test_served_completion_and_chat_equal_ar(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_ar(demo, prompts):
-    """Two ranks, each with half the heads and half the MLP (worker processes), self-speculating."""
-    with engine(DEMO, 3, 2, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+@pytest.mark.parametrize("family", ["demo", "olmo2"])
+def test_tensor_parallel_2_equals_ar(demo, prompts, tmp_path, family):
+    """Two ranks, each with half the heads and half the MLP (worker processes), self-speculating:
+    the demo, and an OLMo-2 retrofit (q and k norms over both ranks' heads, its one kv head on
+    both)."""
+    folder, model = (DEMO, demo) if family == "demo" else (tmp_path, tiny(tmp_path, family))
+    with engine(folder, 3, 2, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
         outputs = greedy(llm, prompts)
-    check_equals_ar(demo, prompts, outputs)
+    check_equals_ar(model, prompts, outputs)

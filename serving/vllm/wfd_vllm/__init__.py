@@ -20,10 +20,17 @@ class OuroConfig(PretrainedConfig):
 
 
 class HuginnConfig(PretrainedConfig):
-    """huginn-0125's config.json, its sizes under the names vLLM reads."""
+    """huginn-0125's and the Raven retrofits' config.json, its sizes also under the names vLLM
+    reads."""
     model_type = "huginn_raven"
-    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
-                     "num_hidden_layers": "n_layers", "max_position_embeddings": "block_size"}
+    VLLM_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
+                  "num_hidden_layers": "n_layers", "max_position_embeddings": "block_size"}
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for name, theirs in self.VLLM_NAMES.items():
+            if not hasattr(self, name) and hasattr(self, theirs):
+                setattr(self, name, getattr(self, theirs))
 
 
 # config.json's architectures entry -> its config class, for each family the plugin serves

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
@@ -39,17 +40,22 @@ from models import S0_STREAM, ModelArgs
 from runtime import sampling
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
-SERVED = ("ouro", "huginn")  # the families this module runs (ModelArgs.kind)
+SERVED = ("ouro", "huginn", "retrofit")  # the families this module runs (ModelArgs.kind)
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
 SEED = 0  # models.LoopedLM's default seed: Huginn's initial state, drawn as models.py draws it
 _targets = {}  # checkpoint folder -> the target model built last for it in this process (weakref)
 
 
-def model_args(hf_config):
+def model_args(model_config):
     """formats/'s reading of config.json into models.ModelArgs, or the ValueError naming the
-    problem."""
-    a = ModelArgs.from_config(hf_config.to_dict())
+    problem. A huginn_raven config is huginn-0125's or a retrofit's by its checkpoint's tensor
+    names (formats.configs.raven_layout)."""
+    config = model_config.hf_config.to_dict()
+    keys = None
+    if config.get("model_type") == "huginn_raven":
+        keys = checkpoints.Weights(checkpoints.resolve(model_config.model)).keys()
+    a = ModelArgs.from_config(config, keys)
     if a.kind not in SERVED:
         raise ValueError(f"the vLLM plugin serves {', '.join(SERVED)} models, not {a.kind}")
     return a
@@ -68,7 +74,8 @@ def draft_depth(vllm_config, T):
 
 class LoopedBlock(nn.Module):
     """One layer, this rank's shard: layers.transformer.Block's arithmetic (Ouro's x + norm(f(norm
-    x)), Huginn's norm(x + f(norm x)) with a bias on q and k and RoPE on adjacent pairs) on vLLM's
+    x)), Huginn's norm(x + f(norm x)) with a bias on q and k and RoPE on adjacent pairs, a Llama
+    retrofit's x + f(norm x), an OLMo-2 retrofit's x + norm(f(x)) with q and k norms) on vLLM's
     parallel linears; attention by the `attn` layer of the depth it runs at."""
 
     def __init__(self, a, prefix):
@@ -84,8 +91,16 @@ class LoopedBlock(nn.Module):
         self.fc = MergedColumnParallelLinear(a.dim, [a.hidden_dim] * 2, bias=False,
                                              prefix=f"{prefix}.fc")
         self.down = RowParallelLinear(a.hidden_dim, a.dim, bias=False, prefix=f"{prefix}.down")
-        for name in checkpoints.NORMS:
-            setattr(self, name, nn.Parameter(torch.ones(a.dim), requires_grad=False))
+        norm = lambda width, on: (nn.Parameter(torch.ones(width), requires_grad=False) if on
+                                  else None)
+        self.attn_norm, self.mlp_norm = norm(a.dim, a.in_norm), norm(a.dim, a.in_norm)
+        self.attn_out_norm, self.mlp_out_norm = norm(a.dim, a.sandwich), norm(a.dim, a.sandwich)
+        # OLMo-2: over the whole q and k projections, every head: this rank's share
+        self.q_norm, self.k_norm = norm(self.q_size, a.qk_proj_norm), norm(self.kv_size,
+                                                                           a.qk_proj_norm)
+        for p in (self.q_norm, self.k_norm):
+            if p is not None:
+                p.weight_loader = self.load_heads
         if a.qk_bias:  # [2, 1, heads, head_dim]: this rank's heads
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, a.head_dim),
                                         requires_grad=False)
@@ -97,19 +112,46 @@ class LoopedBlock(nn.Module):
         first = get_tensor_model_parallel_rank() * self.heads
         param.data.copy_(loaded[:, :, first:first + self.heads])
 
+    @staticmethod
+    def load_heads(param, loaded):
+        """A q or k norm's weights of this rank's heads (where there are fewer kv heads than
+        ranks, vLLM gives consecutive ranks the same kv head)."""
+        width, tp = param.shape[0], get_tensor_model_parallel_world_size()
+        replicas = max(1, tp // (loaded.shape[0] // width))
+        first = get_tensor_model_parallel_rank() // replicas * width
+        param.data.copy_(loaded[first:first + width])
+
+    def qk_proj_norm(self, t, weight):
+        """OLMo-2's norm over a whole projection: rms_norm, its mean square over every rank's
+        heads (summed over the ranks; replicated kv heads count once per rank on both sides)."""
+        a, tp = self.args, get_tensor_model_parallel_world_size()
+        if tp == 1:
+            return rms_norm(t, weight, a.norm_eps)
+        tf = t.float()
+        squares = tensor_model_parallel_all_reduce(tf.pow(2).sum(-1, keepdim=True))
+        mean = squares / (t.shape[-1] * tp)
+        return (tf * torch.rsqrt(mean + a.norm_eps)).to(t.dtype) * weight
+
     def forward(self, x, cos, sin, attn):
         a = self.args
-        q, k, v = self.qkv(rms_norm(x, self.attn_norm, a.norm_eps))[0].split(
+        q, k, v = self.qkv(self.sublayer_input(x, self.attn_norm))[0].split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self.qk_proj_norm(q, self.q_norm), self.qk_proj_norm(k, self.k_norm)
         q, k = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k))
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         q, k = (apply_rope(t, cos, sin, a.interleaved_rope).flatten(1) for t in (q, k))
         x = self.residual(x, self.proj(attn(q, k, v))[0], self.attn_out_norm)
-        h = swiglu(self.fc(rms_norm(x, self.mlp_norm, a.norm_eps))[0])
+        h = swiglu(self.fc(self.sublayer_input(x, self.mlp_norm))[0])
         return self.residual(x, self.down(h)[0], self.mlp_out_norm)
 
+    def sublayer_input(self, x, norm):
+        return rms_norm(x, norm, self.args.norm_eps) if self.args.in_norm else x
+
     def residual(self, x, h, norm):
+        if norm is None:
+            return x + h
         if self.args.post_norm:
             return rms_norm(h + x, norm, self.args.norm_eps)
         return x + rms_norm(h, norm, self.args.norm_eps)
@@ -142,7 +184,7 @@ class LoopedForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         model_config = vllm_config.model_config
-        self.args = a = model_args(model_config.hf_config)
+        self.args = a = model_args(model_config)
         self.folder = os.path.realpath(model_config.model)
         T, L = a.num_steps, a.n_core
         self.is_draft = prefix == DRAFT_PREFIX
