@@ -111,6 +111,10 @@ TINY["llama"] = dict(RETROFIT, wfd_layout="llama", rope_scaling=dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=16))
 TINY["olmo2"] = dict(RETROFIT, wfd_layout="olmo2")
+TINY["loopformer"] = {"architectures": ["LoopFormerGPTForCausalLM"], "model_type": "loopformer",
+                      "block_size": 256, "vocab_size": 2048, "n_layer": 2, "n_head": 2,
+                      "n_embd": 64, "bias": False, "intermediate_dim": 96, "max_model_loops": 4,
+                      "torch_dtype": "float32"}
 
 
 def tiny(folder, family="ouro", **config):
@@ -135,7 +139,7 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
         check_equals_ar(demo, prompts, greedy(llm, prompts))
 
 
-@pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2"])
+@pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2", "loopformer"])
 def test_tiny_random_family_equals_ar(tmp_path, family):
     model = tiny(tmp_path, family)
     prompts = [[5, 17, 300, 9], list(range(40, 70))]

@@ -33,8 +33,20 @@ class HuginnConfig(PretrainedConfig):
                 setattr(self, name, getattr(self, theirs))
 
 
+class LoopFormerConfig(HuginnConfig):
+    """LoopFormer's config.json, the sizes its hub file leaves out from the official defaults."""
+    model_type = "loopformer"
+    VLLM_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
+                  "num_hidden_layers": "n_layer", "max_position_embeddings": "block_size"}
+
+    def __init__(self, **kwargs):
+        from formats.configs import LOOPFORMER_DEFAULTS
+        super().__init__(**{**LOOPFORMER_DEFAULTS, **kwargs})
+
+
 # config.json's architectures entry -> its config class, for each family the plugin serves
-ARCHITECTURES = {"OuroForCausalLM": OuroConfig, "RavenForCausalLM": HuginnConfig}
+ARCHITECTURES = {"OuroForCausalLM": OuroConfig, "RavenForCausalLM": HuginnConfig,
+                 "LoopFormerGPTForCausalLM": LoopFormerConfig}
 
 
 def register():

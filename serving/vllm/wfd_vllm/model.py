@@ -23,24 +23,26 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                               ReplicatedLinear, RowParallelLinear)
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                               QKVParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from formats import checkpoints
-from layers.transformer import apply_rope, rms_norm, rope_table, swiglu
+from layers.transformer import MLPS, Clock, apply_rope, rms_norm, rope_table
 from models import S0_STREAM, ModelArgs
 from runtime import sampling
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
-SERVED = ("ouro", "huginn", "retrofit")  # the families this module runs (ModelArgs.kind)
+SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families this module runs (ModelArgs.kind)
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
 SEED = 0  # models.LoopedLM's default seed: Huginn's initial state, drawn as models.py draws it
@@ -88,12 +90,14 @@ class LoopedBlock(nn.Module):
                                      bias=False, prefix=f"{prefix}.qkv")
         self.proj = RowParallelLinear(a.n_heads * a.head_dim, a.dim, bias=False,
                                       prefix=f"{prefix}.proj")
-        self.fc = MergedColumnParallelLinear(a.dim, [a.hidden_dim] * 2, bias=False,
-                                             prefix=f"{prefix}.fc")
+        self.fc = (MergedColumnParallelLinear(a.dim, [a.hidden_dim] * 2, bias=False,
+                                              prefix=f"{prefix}.fc") if a.mlp == "swiglu" else
+                   ColumnParallelLinear(a.dim, a.hidden_dim, bias=False, prefix=f"{prefix}.fc"))
         self.down = RowParallelLinear(a.hidden_dim, a.dim, bias=False, prefix=f"{prefix}.down")
         norm = lambda width, on: (nn.Parameter(torch.ones(width), requires_grad=False) if on
                                   else None)
-        self.attn_norm, self.mlp_norm = norm(a.dim, a.in_norm), norm(a.dim, a.in_norm)
+        weighted_in = a.in_norm and a.norm_weights  # LoopFormer's input norms have no weight
+        self.attn_norm, self.mlp_norm = norm(a.dim, weighted_in), norm(a.dim, weighted_in)
         self.attn_out_norm, self.mlp_out_norm = norm(a.dim, a.sandwich), norm(a.dim, a.sandwich)
         # OLMo-2: over the whole q and k projections, every head: this rank's share
         self.q_norm, self.k_norm = norm(self.q_size, a.qk_proj_norm), norm(self.kv_size,
@@ -107,6 +111,8 @@ class LoopedBlock(nn.Module):
             self.qk_bias.weight_loader = self.load_qk_bias
         else:
             self.qk_bias = None
+        # LoopFormer's adaLN modulation: gates and scales of the residual's width, on every rank
+        self.ada = a.clock and ReplicatedLinear(a.dim, 4 * a.dim, prefix=f"{prefix}.ada") or None
 
     def load_qk_bias(self, param, loaded):
         first = get_tensor_model_parallel_rank() * self.heads
@@ -132,24 +138,30 @@ class LoopedBlock(nn.Module):
         mean = squares / (t.shape[-1] * tp)
         return (tf * torch.rsqrt(mean + a.norm_eps)).to(t.dtype) * weight
 
-    def forward(self, x, cos, sin, attn):
+    def forward(self, x, cos, sin, attn, mod=None):
+        """mod (LoopFormer): the block's modulation at the rows' depth, [4D]."""
         a = self.args
-        q, k, v = self.qkv(self.sublayer_input(x, self.attn_norm))[0].split(
+        gate_attn, gate_mlp, scale_attn, scale_mlp = [None] * 4 if mod is None else mod.chunk(4, -1)
+        q, k, v = self.qkv(self.sublayer_input(x, self.attn_norm, scale_attn))[0].split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = self.qk_proj_norm(q, self.q_norm), self.qk_proj_norm(k, self.k_norm)
         q, k = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k))
         if self.qk_bias is not None:
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        q, k = (apply_rope(t, cos, sin, a.interleaved_rope).flatten(1) for t in (q, k))
-        x = self.residual(x, self.proj(attn(q, k, v))[0], self.attn_out_norm)
-        h = swiglu(self.fc(self.sublayer_input(x, self.mlp_norm))[0])
-        return self.residual(x, self.down(h)[0], self.mlp_out_norm)
+        if a.rope:
+            q, k = (apply_rope(t, cos, sin, a.interleaved_rope) for t in (q, k))
+        x = self.residual(x, self.proj(attn(q.flatten(1), k.flatten(1), v))[0],
+                          self.attn_out_norm, gate_attn)
+        h = MLPS[a.mlp](self.fc(self.sublayer_input(x, self.mlp_norm, scale_mlp))[0])
+        return self.residual(x, self.down(h)[0], self.mlp_out_norm, gate_mlp)
 
-    def sublayer_input(self, x, norm):
-        return rms_norm(x, norm, self.args.norm_eps) if self.args.in_norm else x
+    def sublayer_input(self, x, norm, scale=None):
+        h = rms_norm(x, norm, self.args.norm_eps) if self.args.in_norm else x
+        return h if scale is None else h * (1 + scale)
 
-    def residual(self, x, h, norm):
+    def residual(self, x, h, norm, gate=None):
+        h = h if gate is None else gate * h
         if norm is None:
             return x + h
         if self.args.post_norm:
@@ -172,6 +184,10 @@ class LoopedWeights(nn.Module):
         self.adapter = a.inject and ReplicatedLinear(2 * a.dim, a.dim, bias=False,
                                                      prefix=f"{prefix}.adapter") or None
         self.norm = nn.Parameter(torch.ones(a.dim), requires_grad=False)
+        # LoopFormer: learned positions, and the clock whose modulations fill clock_table
+        self.pos_embed = nn.Embedding(a.max_seq_len, a.dim) if a.pos_embed else None
+        self.clock = Clock(a.dim) if a.clock else None
+        self.clock_table = None
         self.lm_head = ParallelLMHead(a.vocab_size, a.dim, prefix=f"{prefix}.lm_head")
         if a.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
@@ -226,17 +242,19 @@ class LoopedForCausalLM(nn.Module):
         """The state C reads logits from: P, R `depth` times, then C up to the head."""
         w, a = self.weights, self.args
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        x = x if w.pos_embed is None else x + w.pos_embed(positions)
         cos, sin = w.rope_cos[positions], w.rope_sin[positions]
 
-        def layers(blocks, x, first):  # the blocks, attending through attn[first], ...
+        def layers(blocks, x, first, mod=None):  # the blocks, attending through attn[first], ...
             for i, block in enumerate(blocks):
-                x = block(x, cos, sin, self.attn[first + i])
+                x = block(x, cos, sin, self.attn[first + i], None if mod is None else mod[i])
             return x
 
         e, s = (layers(w.prelude, x, 0), self.initial_state(positions)) if a.inject else (None, x)
         for d in range(self.depth):
             h = w.adapter(torch.cat([s, e], dim=-1))[0] if a.inject else s
-            s = layers(w.core, h, a.n_prelude + d * a.n_core)
+            mod = None if w.clock_table is None else w.clock_table[d]
+            s = layers(w.core, h, a.n_prelude + d * a.n_core, mod)
             s = rms_norm(s, w.norm, a.norm_eps) if a.norm_each_step else s
         s = rms_norm(s, w.norm, a.norm_eps) if a.norm_before_coda else s
         s = layers(w.coda, s, a.n_prelude + self.depth * a.n_core)
@@ -278,4 +296,21 @@ class LoopedForCausalLM(nn.Module):
         if rope:  # Huginn's stored RoPE table, [1, positions, 1, head_dim / 2, (cos, sin)]
             for i, buffer in enumerate((self.weights.rope_cos, self.weights.rope_sin)):
                 buffer.copy_(tensors[rope][0, :, 0, :, i])
+        if self.weights.clock is not None:
+            self.weights.clock_table = self.clock_table()
         return loaded
+
+    @torch.no_grad()
+    def clock_table(self):
+        """LoopFormer: every block's modulation at each depth d of T, [T, L, 4D], as
+        models.LoopedLM.clock_table makes it: the clock at t = d steps of dt = 1 / T, summed in
+        the weights' dtype; the draft, at depth k < T, reads the first k rows."""
+        w, T = self.weights, self.args.num_steps
+        dt = torch.full((1,), 1 / T, dtype=w.norm.dtype, device=w.norm.device)
+        t, rows = torch.zeros_like(dt), []
+        for _ in range(T):
+            c = F.silu(w.clock(t, dt))
+            # the plain weights (load_weights' time: before vLLM readies its linears for the CPU)
+            rows.append(torch.stack([F.linear(c, b.ada.weight, b.ada.bias) for b in w.core], 1))
+            t = t + dt
+        return torch.cat(rows)
