@@ -19,6 +19,9 @@ class OuroConfig(PretrainedConfig):
     model_type = "ouro"
 
 
+SCALING = "wfd_rope_scaling"
+
+
 class HuginnConfig(PretrainedConfig):
     """huginn-0125's and the Raven retrofits' config.json, its sizes also under the names vLLM
     reads."""
@@ -27,6 +30,10 @@ class HuginnConfig(PretrainedConfig):
                   "num_hidden_layers": "n_layers", "max_position_embeddings": "block_size"}
 
     def __init__(self, **kwargs):
+        # a retrofit's Llama-3 RoPE scaling, kept as config.json has it under a name of its own
+        # (wfd_vllm.model.model_args reads it back): transformers would rewrite rope_scaling
+        if kwargs.get("rope_scaling"):
+            kwargs[SCALING] = kwargs.pop("rope_scaling")
         super().__init__(**kwargs)
         for name, theirs in self.VLLM_NAMES.items():
             if not hasattr(self, name) and hasattr(self, theirs):

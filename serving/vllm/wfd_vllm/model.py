@@ -40,6 +40,7 @@ from formats import checkpoints, configs
 from layers.transformer import MLPS, Clock, apply_rope, rms_norm, rope_table
 from models import S0_STREAM, ModelArgs
 from runtime import sampling
+from wfd_vllm import SCALING
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
 SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families it runs (ModelArgs.kind)
@@ -55,6 +56,8 @@ def model_args(model_config):
     huginn_raven config is huginn-0125's or a retrofit's (the checkpoint's tensor names),
     LoopFormer's iteration count (the repo id's)."""
     config, keys = model_config.hf_config.to_dict(), None
+    if SCALING in config:
+        config["rope_scaling"] = config.pop(SCALING)
     if config.get("model_type") == "huginn_raven":
         keys = checkpoints.Weights(checkpoints.resolve(model_config.model)).keys()
     if config.get("model_type") == "loopformer" and "max_model_loops" not in config:
