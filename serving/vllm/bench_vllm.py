@@ -76,7 +76,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "demo"))
     p.add_argument("--random-weights", metavar="CONFIG",
-                   help="a config.json: a checkpoint of random weights written to a temp folder")
+                   help="an Ouro config.json: random weights, written to a temp folder")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
