@@ -1,0 +1,244 @@
+"""The vLLM plugin (serving/vllm, docs/serving.md): vLLM's greedy tokens are the project's AR
+tokens, with and without self-speculation, and its logprobs are close to the project's logits.
+
+They run where vLLM's CPU build is installed (requirements-vllm.txt, `pip install -e
+serving/vllm`; .ci/run makes such an environment), one engine at a time, in this process."""
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt; "
+                    "pip install -e serving/vllm: docs/serving.md)")
+pytest.importorskip("wfd_vllm", reason="the plugin is not installed (pip install -e serving/vllm)")
+# vLLM's CPU build on a small machine: one OpenMP thread, unbound; 1 GiB of KV; the engine in
+# this process (set before vLLM reads them, for this process and the servers it starts)
+os.environ.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                  VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.distributed.parallel_state import (destroy_distributed_environment,  # noqa: E402
+                                             destroy_model_parallel)
+
+import models  # noqa: E402
+import wfd  # noqa: E402
+from demo import train as train_demo  # noqa: E402
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
+NEW_TOKENS = 24
+
+
+def speculation(folder, n):
+    return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": n}
+
+
+@contextmanager
+def engine(folder, n=None, k=None, **settings):
+    """A vLLM engine of the checkpoint in this process, float32, eager; with n, self-speculation of
+    n tokens drafted at depth k (the config's wfd_draft_steps where k is None)."""
+    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+              speculative_config=n and speculation(folder, n),
+              hf_overrides={"wfd_draft_steps": k} if k else None, **settings)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        gc.collect()
+
+
+def greedy(llm, prompts, n=NEW_TOKENS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def check_equals_ar(model, prompts, outputs):
+    """Each output's tokens are AR's, and each token's logprob is the log-softmax of the logits
+    that chose it in the project's AR (float32: to 1e-3)."""
+    for prompt, out in zip(prompts, outputs):
+        ref = wfd.generate(model, prompt, len(out.token_ids), method="ar", keep_logits=True)
+        assert list(out.token_ids) == ref.tokens
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+        theirs = torch.stack([torch.log_softmax(logits, -1)[t]
+                              for logits, t in zip(ref.logits, ref.tokens)])
+        torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return models.load(DEMO)
+
+
+@pytest.fixture(scope="module")
+def prompts(demo):
+    return train_demo.eval_prompts(demo.tokenizer, count=3)
+
+
+TINY = {  # random-weight configs in the hub format, head_dim 32 (the CPU attention's smallest)
+    "ouro": {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 64,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+             "intermediate_size": 96, "vocab_size": 2048, "num_hidden_layers": 2,
+             "total_ut_steps": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 256, "tie_word_embeddings": True, "eos_token_id": 0,
+             "torch_dtype": "float32"},
+    "huginn": {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven", "n_embd": 64,
+               "n_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96,
+               "vocab_size": 2048, "padded_vocab_size": 2048, "n_layers": 4,
+               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+               "n_layers_in_coda": 1, "mean_recurrence": 4, "block_size": 256,
+               "rope_base": 50000.0, "norm_eps": 1e-6, "qk_bias": True, "tie_embeddings": True,
+               "injection_type": "linear", "init_values": {"std": 0.08, "embed_scale": 8.0},
+               "eos_token_id": 0, "torch_dtype": "float32"},
+}
+# the Raven retrofits: huginn_raven configs, their blocks told apart by the checkpoint's tensors
+RETROFIT = dict(TINY["huginn"], num_key_value_heads=1, qk_bias=False, tie_embeddings=False,
+                rope_theta=10000.0, max_position_embeddings=256,
+                init_values={"std": 0.08, "embed_scale": 1.0})
+TINY["llama"] = dict(RETROFIT, wfd_layout="llama", rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=16))
+TINY["olmo2"] = dict(RETROFIT, wfd_layout="olmo2")
+TINY["loopformer"] = {"architectures": ["LoopFormerGPTForCausalLM"], "model_type": "loopformer",
+                      "block_size": 256, "vocab_size": 2048, "n_layer": 2, "n_head": 2,
+                      "n_embd": 64, "bias": False, "intermediate_dim": 96, "max_model_loops": 4,
+                      "torch_dtype": "float32"}
+
+
+def tiny(folder, family="ouro", **config):
+    """A random-weight checkpoint of the family in the hub format, with the demo's tokenizer."""
+    model = models.from_config({**TINY[family], **config}, init_seed=1)
+    models.save(model, folder)
+    shutil.copy(os.path.join(DEMO, "tokenizer.json"), folder)
+    return models.load(folder)
+
+
+def test_demo_greedy_equals_ar(demo, prompts):
+    with engine(DEMO) as llm:
+        check_equals_ar(demo, prompts, greedy(llm, prompts))
+
+
+@pytest.mark.parametrize("k,n", [(1, 2), (2, 3), (1, 4)])
+def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
+    with engine(DEMO, n, k) as llm:
+        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+        draft = drafter.model
+        assert draft.depth == k and not list(draft.parameters())  # the target's weights
+        check_equals_ar(demo, prompts, greedy(llm, prompts))
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2", "loopformer"])
+def test_tiny_random_family_equals_ar(tmp_path, family):
+    model = tiny(tmp_path, family)
+    prompts = [[5, 17, 300, 9], list(range(40, 70))]
+    with engine(tmp_path, 3, 2) as llm:
+        check_equals_ar(model, prompts, greedy(llm, prompts))
+
+
+def start_up_error(folder, **settings):
+    """The message of the error an engine of `folder` stops with at start-up."""
+    with pytest.raises(Exception) as err:
+        with engine(folder, **settings):
+            pass
+    return str(err.value)
+
+
+def test_bad_input_is_refused_at_start_up(tmp_path):
+    assert "wfd_draft_steps=4 must be an integer in 1..3" in start_up_error(DEMO, n=2, k=4)
+    tiny(tmp_path / "hd16", hidden_size=32, head_dim=16)
+    assert "head_dim 16 is not served" in start_up_error(tmp_path / "hd16")
+    folder = tmp_path / "unknown"
+    shutil.copytree(DEMO, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, architectures=["NopeForCausalLM"])))
+    assert "NopeForCausalLM" in start_up_error(folder)
+    folder = tmp_path / "missing"
+    tiny(folder)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    assert "lacks tensor 'model.layers.1.mlp.down_proj.weight'" in start_up_error(folder)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url, body):
+    """An OpenAI-compatible request; the answer's JSON, or the streamed chunks' JSON."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        if not body.get("stream"):
+            return json.load(response)
+        lines = [line.decode().strip() for line in response]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_served_completion_and_chat_equal_ar(demo, tmp_path):
+    """vLLM's OpenAI-compatible server of demo/ with self-speculation (k = 2, n = 3) on 127.0.0.1:
+    a completion, a chat and a streamed chat request, each answer's tokens AR's of the prompt
+    tokens the server made. (It is `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at
+    the version of a package named vllm, which it is not.)"""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "assistant:")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", DEMO,
+         "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+         "--speculative-config", json.dumps(speculation(DEMO, 3)), "--chat-template",
+         str(template)], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # up to 2 minutes on a busy machine
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        settings = dict(model=DEMO, max_tokens=16, temperature=0, ignore_eos=True,
+                        return_token_ids=True)
+        done = post(url + "/v1/completions", dict(settings, prompt="def fibonacci(n):"))
+        answers = [(done["choices"][0]["prompt_token_ids"], done["choices"][0]["token_ids"])]
+        chat = dict(settings, messages=[{"role": "user", "content": "def add(a, b):"}])
+        done = post(url + "/v1/chat/completions", chat)
+        answers.append((done["prompt_token_ids"], done["choices"][0]["token_ids"]))
+        chunks = post(url + "/v1/chat/completions", dict(chat, stream=True))
+        answers.append((chunks[0]["prompt_token_ids"],
+                        [t for c in chunks for choice in c["choices"]
+                         for t in choice.get("token_ids") or []]))
+        assert answers[1] == answers[2]
+        for prompt, tokens in answers:
+            assert tokens == wfd.generate(demo, prompt, 16, method="ar").tokens
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_ar(prompts, tmp_path):
+    """Two ranks (worker processes), self-speculating, on an OLMo-2 retrofit: each rank with half
+    the q heads, the MLP and the vocabulary, its one kv head on both, the q and k norms over both
+    ranks' heads."""
+    model = tiny(tmp_path, "olmo2")
+    with engine(tmp_path, 3, 2, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+        outputs = greedy(llm, prompts)
+    check_equals_ar(model, prompts, outputs)
