@@ -5,7 +5,7 @@
 # writes its results to RESULTS (default gpu_results/) as it ends (RESULTS/steps.txt: one line per
 # step, its status and seconds), and a step whose estimate no longer fits the time left is skipped
 # (named on stderr), so a run cut short keeps what it measured. Random weights are drawn on the
-# GPU. Estimates on an H200 (not yet measured: no GPU has been lent), compiling included:
+# GPU. Estimates on an H200 (cuda-path measured there, the rest not yet), compiling included:
 #   cuda-path the imitation's cases for real (tests/test_cuda_path.py on cuda: CUDA graphs through
 #             compiling.replay, pinned staging in a ring of 2 with CUDA events, the CUDA-graph
 #             counters): every family equal to compiled AR and eager AR's tokens, each of greedy,
