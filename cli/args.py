@@ -142,7 +142,7 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
     p.add_argument("--second-depth", type=int, metavar="M", help="the wavefront's second proposal: "
                    "each row read again at depth M (k < M < T), a sibling started where it "
                    "disagrees with the draft (docs/siblings.md)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", type=device, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), help=dtype_help)
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 100M "
                    "parameters, whose matmuls are too small to share between cores; else "
@@ -158,6 +158,13 @@ def add_decoding_args(p, seed_help, dtype_help, compile_help):
     p.add_argument("--top-p", type=float,
                    help="sample from the most likely tokens that reach probability p")
     p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def device(text):
+    """--device: cpu, cuda, or one of several GPUs, cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda or cuda:N")
+    return text
 
 
 def resolve_compile(args):

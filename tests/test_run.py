@@ -126,6 +126,8 @@ CASES = [  # (script, arguments, what the one line says)
      "^error: --model: .*binary.txt is a file, not a model folder"),
     (run, ["--prompt", "x", "--model", "folder"], "^error: --model: no config.json in .*folder"),
     (run, ["--prompt", "x", "--device", "cuda"], "device 'cuda': this torch .* has no CUDA"),
+    (run, ["--prompt", "x", "--device", "cuda:1"], "device 'cuda:1': this torch .* has no CUDA"),
+    (run, ["--prompt", "x", "--device", "gpu"], "'gpu' is not a device: give cpu, cuda or cuda:N"),
     (run, ["--prompt", "x", "--model", OURO_A],
      "has no tokenizer.json: pass --tokenizer, or --prompt-ids"),
     (run, ["--prompt", "x", "--tokenizer", "./no_such_tokenizer"],
