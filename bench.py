@@ -180,9 +180,9 @@ def plain_run(model, prompt, args, max_new_tokens, clock):
                                on_token=lambda t: times.append(clock()))
     time_s = clock() - start
     T, n = model.num_steps, len(tokens)
-    stats = dict(tokens=n, accepted=0, rejected=0, graphs_compiled=0, r_calls=T * n, num_steps=T,
-                 r_calls_per_token=T, acceptance=float("nan"), width=1, kv_bytes=kv_bytes,
-                 logits_digest=None)
+    stats = dict(tokens=n, verified=0, accepted=0, rescued=0, rejected=0, graphs_compiled=0,
+                 r_calls=T * n, num_steps=T, r_calls_per_token=T, acceptance=float("nan"),
+                 width=1, kv_bytes=kv_bytes, logits_digest=None)
     return record(wfd.Generation(tokens, stats), prompt, {}, times, time_s)
 
 
