@@ -248,7 +248,9 @@ class LoopedForCausalLM(nn.Module):
         w, a = self.weights, self.args
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = x if w.pos_embed is None else x + w.pos_embed(positions)
-        cos, sin = w.rope_cos[positions], w.rope_sin[positions]
+        # the rows of apply_rope: [N, 1, hd/2] in its arithmetic dtype (at least float32)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        cos, sin = (t[positions][:, None].to(dtype) for t in (w.rope_cos, w.rope_sin))
 
         def layers(blocks, x, first, mod=None):  # the blocks, attending through attn[first], ...
             for i, block in enumerate(blocks):
