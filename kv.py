@@ -59,11 +59,8 @@ class KVCache:
         self.depth_slots = self.num_steps * a.n_core if per_depth else 0
         self.seq_slots = self.depth_slots + a.n_prelude + a.n_coda
         shape = (batch * self.seq_slots, a.n_kv_heads, self.scratch + 1 + branches, a.head_dim)
-        # uninitialised: a row reads only columns written before it, and what a column it cannot
-        # see holds adds nothing (block_attention), so a cache costs what its calls touch, not its
-        # capacity
-        self.k = torch.empty(shape, device=self.device, dtype=model.dtype)
-        self.v = torch.empty_like(self.k)
+        self.k = torch.zeros(shape, device=self.device, dtype=model.dtype)
+        self.v = torch.zeros_like(self.k)
 
     def buffers(self):
         return [t for t in vars(self).values() if torch.is_tensor(t)]
@@ -333,10 +330,10 @@ class SharedKVCache(KVCache):
         final = (batch * a.n_core, a.n_kv_heads, self.scratch + 1, a.head_dim)
         ring = (batch * self.num_steps * a.n_core, a.n_kv_heads, self.ring + 1 + branches,
                 a.head_dim)
-        self.final_k = torch.empty(final, device=self.device, dtype=model.dtype)  # as KVCache's
-        self.final_v = torch.empty_like(self.final_k)
-        self.ring_k = torch.empty(ring, device=self.device, dtype=model.dtype)
-        self.ring_v = torch.empty_like(self.ring_k)
+        self.final_k = torch.zeros(final, device=self.device, dtype=model.dtype)
+        self.final_v = torch.zeros_like(self.final_k)
+        self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
+        self.ring_v = torch.zeros_like(self.ring_k)
 
     def prepare(self, pos, depth, span, sums=False, branches=None):
         step = super().prepare(pos, depth, span, sums, branches)

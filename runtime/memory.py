@@ -67,7 +67,7 @@ KEEP_STATIC_CACHES = 2
 
 
 def static_cache(model, capacity, num_steps, window, slots=1, branches=0):
-    """The KV cache of compiled decoding, kept per model and setting and reused by each generation:
+    """The KV cache of compiled decoding, kept per model and setting and zeroed for each generation:
     a CUDA graph replays on its buffers' addresses (marked static: the graph writes them). The
     KEEP_STATIC_CACHES latest settings are kept; free_static_caches(model) drops them all."""
     key = (capacity, num_steps, window, slots, branches, kv.BLOCK, model.device, model.dtype)
@@ -79,8 +79,9 @@ def static_cache(model, capacity, num_steps, window, slots=1, branches=0):
         for t in caches[key].buffers():  # guarded: a new address recompiles, never re-records
             torch._dynamo.mark_static_address(t, guard=True)
     caches[key] = caches.pop(key)  # the latest last
-    # kept as an earlier generation left it: a row reads only columns written before it, and what a
-    # column it cannot see holds adds nothing (kv.block_attention)
+    for t in caches[key].buffers():
+        # nothing of an earlier generation can be read, but stale NaN times a 0 weight is NaN
+        t.zero_()
     return caches[key]
 
 
