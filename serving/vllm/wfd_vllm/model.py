@@ -37,7 +37,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from formats import checkpoints, configs
-from layers.transformer import MLPS, Clock, apply_rope, rms_norm, rope_table
+from layers.transformer import MLPS, Block, Clock, apply_rope, rms_norm, rope_table
 from models import S0_STREAM, ModelArgs
 from runtime import sampling
 from wfd_vllm import SCALING
@@ -162,17 +162,8 @@ class LoopedBlock(nn.Module):
         h = MLPS[a.mlp](self.fc(self.sublayer_input(x, self.mlp_norm, scale_mlp))[0])
         return self.residual(x, self.down(h)[0], self.mlp_out_norm, gate_mlp)
 
-    def sublayer_input(self, x, norm, scale=None):
-        h = rms_norm(x, norm, self.args.norm_eps) if self.args.in_norm else x
-        return h if scale is None else h * (1 + scale)
-
-    def residual(self, x, h, norm, gate=None):
-        h = h if gate is None else gate * h
-        if norm is None:
-            return x + h
-        if self.args.post_norm:
-            return rms_norm(h + x, norm, self.args.norm_eps)
-        return x + rms_norm(h, norm, self.args.norm_eps)
+    # the project's norm placements (ModelArgs.in_norm, sandwich, post_norm), read from self.args
+    sublayer_input, residual = Block.sublayer_input, Block.residual
 
 
 class LoopedWeights(nn.Module):
