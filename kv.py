@@ -39,7 +39,7 @@ class Step:
     depth: torch.Tensor   # [N] each row's depth (0 in a call without looped layers)
     first: torch.Tensor   # [N] each row's sequence's first buffer row
     looped: torch.Tensor  # [N] first + depth * n_core: its row of looped layer 0 (layer j: + j)
-    sums: bool            # compiled: attention written out as sums (block_attention)
+    sums: bool            # compiled on a CPU: attention written out as sums (block_attention)
 
 
 class KVCache:
@@ -239,8 +239,9 @@ def block_attention(q, k, v, seen, need_lse, sums):
     Mask. Returns the output [N, H, hd], normalized within the block, and with need_lse its
     log-sum-exp [N, H] in at least float32 (-inf where the row sees nothing). A column the row
     cannot see adds exactly nothing, whatever it holds: its score is -inf and its value 0 (hide).
-    sums (compiled): the products and sums written out, which inductor fuses into one loop that
-    reads every row's slot where it lies; eager, SDPA over the gathered block is cheaper."""
+    sums (compiled on a CPU: runtime.compiling.sums_written_out): the products and sums written
+    out, which inductor fuses into one loop that reads every row's slot where it lies; eager and on
+    CUDA, einsum and SDPA over the gathered block."""
     n, heads, hd = q.shape
     v = hide(v, seen.keep)
     lse = None
@@ -278,7 +279,7 @@ def attend_blocks(q, blocks, sums=False):
     # elementwise ops and a max (exact in any order) over the stacked blocks, the sum added block
     # by block (the CPU's logaddexp takes a call's last lanes another way, and a sum over the
     # stacked blocks adds in an order that depends on the call's block count: docs/exactness.md);
-    # compiled, by logaddexp, which inductor fuses alike for every lane
+    # with sums (compiled on a CPU), by logaddexp, which inductor fuses alike for every lane
     if sums:
         total = outs[0][1]
         for _, lse in outs[1:]:

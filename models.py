@@ -280,8 +280,9 @@ class LoopedLM(nn.Module):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
         cos, sin = self.rope(call.pos)
         cache = call.cache
-        step = None if cache is None else cache.prepare(call.pos, call.depth, call.span,
-                                                        call.compiled, call.branches)
+        sums = call.compiled and compiling.sums_written_out(self.device)
+        step = None if cache is None else cache.prepare(call.pos, call.depth, call.span, sums,
+                                                        call.branches)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

@@ -21,11 +21,26 @@ def compiled(model, fn, room=0):
 
 
 def compile_call(fn, graphs):
-    """fn compiled by torch.compile at fixed shapes; with graphs, each call replays a CUDA graph."""
+    """fn compiled by torch.compile at fixed shapes; with graphs, each call replays a CUDA graph
+    (mode "reduce-overhead"), in inductor's deterministic mode: each Triton reduction's block
+    sizes, and so its order of additions, follow from its shapes, not from timing its first
+    calls, which may choose differently for the same sums in two graphs (two key buckets)."""
     if graphs:
-        graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        graphed = torch.compile(fn, fullgraph=True, dynamic=False,
+                                options={"triton.cudagraphs": True, "deterministic": True})
         return partial(replay, graphed)
     return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+def sums_written_out(device):
+    """Whether compiled attention on `device` writes its products and sums out (kv.block_attention's
+    sums) rather than calling einsum and SDPA. On a CPU inductor's C++ loops sum in an order set
+    by the shapes alone, so every graph sums a row alike, and the fused loop reads each row's keys
+    where they lie. On the CUDA path each graph's Triton kernels fuse those sums with their
+    neighbours, which differ between a graph of one key bucket and of another: on an H200 a row's
+    bits then depended on its call's bucket (deterministic mode or not). einsum and SDPA are aten
+    kernels, the same in every graph."""
+    return device.type not in transfers.CUDA_PATH
 
 
 def make_room(fn, graphs):

@@ -5,6 +5,7 @@ staging ring of several chunks with stand-in events, and the CUDA-graph counters
 family gives compiled AR's tokens and logits, bit for bit, and eager AR's tokens, greedy, sampled,
 with the second proposal, batched with refill and with shared KV. With WFD_TEST_DEVICE=cuda
 (gpu_check.sh) the same tests run on the GPU for real: CUDA graphs, pinned staging, CUDA events."""
+import functools
 import random
 
 import pytest
@@ -73,6 +74,14 @@ def test_replay_copies_every_tensor_and_passes_none_through():
             assert (a is None) == (b is None) and (a is None or (torch.equal(a, b) and a is not b))
 
 
+@functools.cache
+def family_model(kind):
+    """One model per family in the process: a second model of the same shapes would share the
+    first one's graphs that read no KV cache (dynamo guards the caches' addresses, not the
+    weights'), and on CUDA re-record their CUDA graphs for its own weights (docs/compiling.md)."""
+    return model_of(kind, FAMILIES.index(kind), torch.float32)
+
+
 CASES = ["greedy", "sampled", "second", "batched", "shared"]
 # the quick suite: one case per family, each case in some family
 QUICK = dict(ouro="greedy", huginn="sampled", parcae="batched", loopformer="second",
@@ -90,7 +99,7 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
     """WFD (DtV too, greedy) through the CUDA path, drafts forced wrong at every fourth position:
     compiled AR's tokens and logits at the same width, bit for bit, and eager AR's tokens."""
     waits, replays = imitation
-    model = model_of(kind, FAMILIES.index(kind), torch.float32)
+    model = family_model(kind)
     T, V = model.num_steps, model.args.vocab_size
     batched, quick = case == "batched", QUICK[kind] == case
     prompts = prompts_for(model, 3, 1, longest=3) if batched else [3, 1, 4]
@@ -120,6 +129,24 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
                 assert o.stats["cuda_graphs_skipped"] == 0
     assert replays and waits.count > 0
     assert set(waits.devices) == {model.device}
+
+
+def test_compiled_attention_on_the_cuda_path_runs_on_aten_kernels(monkeypatch):
+    """A compiled call attends through einsum and SDPA on the CUDA path, through sums written out
+    (kv.block_attention) on a CPU. On an H200 the sums' Triton kernels summed a row in an order
+    that depended on the graph, so that compiled WFD and AR parted at the first call across two
+    key blocks (runtime.compiling.sums_written_out)."""
+    model = model_of("ouro", 0, torch.float32)
+    cache, sums = kv.make_cache(model, 16, model.num_steps), []
+    prepare = kv.KVCache.prepare
+    monkeypatch.setattr(kv.KVCache, "prepare", lambda self, *a: sums.append(a[3]) or
+                        prepare(self, *a))
+    pos, depth = torch.tensor([9], device=DEVICE), torch.tensor([0], device=DEVICE)
+    s = torch.zeros(1, model.args.dim, device=DEVICE)
+    for cuda_path in ({"cuda"}, {"cuda", "cpu"}):
+        monkeypatch.setattr(transfers, "CUDA_PATH", cuda_path)
+        model.r_body(s, None, model.to_device(pos, depth, cache, compiled=True, top=9))
+    assert sums == ([False, False] if DEVICE == "cuda" else [True, False])
 
 
 def test_a_staging_event_is_recorded_on_the_models_device(monkeypatch):
