@@ -5,12 +5,15 @@
 # writes its results to RESULTS (default gpu_results/) as it ends (RESULTS/steps.txt: one line per
 # step, its status and seconds), and a step whose estimate no longer fits the time left is skipped
 # (named on stderr), so a run cut short keeps what it measured. Random weights are drawn on the
-# GPU. Estimates on an H200 (cuda-path measured there, the rest not yet), compiling included:
-#   cuda-path the imitation's cases for real (tests/test_cuda_path.py on cuda: CUDA graphs through
+# GPU. Estimates on an H200 (cuda-path and tests measured there, the rest not yet), compiling
+# included. With pytest-xdist installed (the lent machines have it) the two test steps run their
+# tests in 8 processes:
+#   cuda-path the imitation's matrix for real (tests/test_cuda_path.py on cuda: CUDA graphs through
 #             compiling.replay, pinned staging in a ring of 2 with CUDA events, the CUDA-graph
-#             counters): every family equal to compiled AR and eager AR's tokens, each of greedy,
-#             sampled, second proposal, batched with refill and shared KV in one family  ~115 s
-#   tests     the other cuda tests that matter, without -x: static KV buffers kept, CUDA graphs
+#             counters): every family equal to compiled AR and eager AR's tokens, in each of greedy,
+#             sampled, second proposal, batched with refill and shared KV (without xdist: the quick
+#             suite's cases, each family once and each case once)                           ~115 s
+#   tests     the other cuda tests that matter: static KV buffers kept, CUDA graphs
 #             taken, one blocking transfer per tick, compiled WFD == compiled AR across every key
 #             bucket, a row's bits independent of its lane (what the second proposal rests
 #             on), eager WFD == AR on SDPA's fused kernels                                  ~90 s
@@ -24,8 +27,6 @@
 #   paper     bench.py --paper, compiled, one prompt per category, 64 tokens, its answers kept, on
 #             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)
 #             ~90 s each (none without PAPER_MODELS)
-#   cuda-matrix  the whole matrix of cuda-path (every family x every case), ~10 min: by STEPS
-#             only, a lent run of its own
 #   scripts/gpu_check.sh               the steps above (STEPS="huginn-c ouro-c": those alone)
 #   scripts/gpu_check.sh --smoke       every step small on the CPU, in seconds, and a check that
 #                                      the estimates above fit the budget (tests/test_bench.py)
@@ -36,7 +37,7 @@ PY=${PYTHON:-python}
 RESULTS=${RESULTS:-gpu_results}
 ALL="cuda-path tests huginn-c ouro-c ouro batch parcae paper"
 declare -A ESTIMATE=([cuda-path]=115 [tests]=90 [huginn-c]=110 [ouro-c]=130 [ouro]=35 [batch]=40
-                     [parcae]=20 [paper]=0 [huginn]=30 [cuda-matrix]=540)  # the last two: STEPS
+                     [parcae]=20 [paper]=0 [huginn]=30)  # the last: by STEPS only
 start=$SECONDS failed=0
 GPU_BUDGET_S=540
 if [ "${1:-}" = --smoke ]; then
@@ -63,6 +64,8 @@ else
     steps=${STEPS:-$ALL}
 fi
 mkdir -p "$RESULTS"
+parallel=""  # the test steps' flags: the whole matrix in 8 processes where pytest-xdist is installed
+"$PY" -c "import xdist" 2>/dev/null && parallel="--runslow -n 8"
 
 # step NAME ESTIMATE_S COMMAND...: runs COMMAND into RESULTS/NAME.txt if its estimate fits the
 # time left; status 0 when it ran and passed
@@ -115,15 +118,14 @@ compiled() {  # compiled NAME CONFIG ACCEPTANCE [FLAGS...]: bench, compiled, the
 
 for s in $steps; do
     case $s in
-        # the imitation switched off: its cases on the GPU (the quick suite's: each family once,
-        # each case once; cuda-matrix: all of them)
+        # the imitation switched off: its cases on the GPU, all of them in 8 processes where
+        # pytest-xdist is installed, else the quick suite's
+        # shellcheck disable=SC2086  # the flags and test ids are words
         cuda-path) step cuda-path "${ESTIMATE[cuda-path]}" env WFD_TEST_DEVICE=$device "$PY" -m \
-                       pytest -q tests/test_cuda_path.py ;;
-        cuda-matrix) step cuda-matrix "${ESTIMATE[cuda-matrix]}" env WFD_TEST_DEVICE=$device \
-                         "$PY" -m pytest -q --runslow tests/test_cuda_path.py ;;
-        # shellcheck disable=SC2086  # the test ids are words
+                       pytest -q $parallel tests/test_cuda_path.py ;;
+        # shellcheck disable=SC2086
         tests) step tests "${ESTIMATE[tests]}" env WFD_TEST_DEVICE=$device "$PY" -m pytest -q \
-                   --runslow $tests ;;
+                   --runslow ${parallel:+-n 8} $tests ;;
         huginn-c) compiled huginn-c "$huginn" 0.94 ;;
         ouro-c) compiled ouro-c "$ouro" 0.92 ;;
         huginn) bench huginn "$huginn" 0.94 --eager ;;
