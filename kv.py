@@ -94,11 +94,14 @@ class KVCache:
         n = self.scratch // self.block
         return [1 << i for i in range((n - 1).bit_length())] + [n]
 
-    def prepare(self, pos, depth, span, sums=False, branches=None):
+    def prepare(self, pos, depth, span, sums=False, branches=None, alone=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
         idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
-        the call's Branches, or None."""
+        the call's Branches, or None; alone: an eager call's one row's (position, depth) on the
+        host, or None (Alone)."""
         n = pos.shape[0]
+        if alone is not None and span and n == 1 and branches is None:
+            return Alone(*alone)
         if n % self.batch:
             raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
         at = torch.where(pos < 0, self.scratch, pos)
@@ -136,6 +139,14 @@ class KVCache:
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
         hd]) to the visible keys of its sequence's slot for this layer at the row's depth."""
+        if isinstance(step, Alone):  # its slot's columns 0..pos, every one visible, as views
+            row = step.depth * self.n_core + layer if layer < self.n_core else (
+                self.depth_slots + layer - self.n_core)
+            keys, values = (t[row, :, :step.pos + 1] for t in (self.k, self.v))  # [Hkv, pos+1, hd]
+            keys[:, -1], values[:, -1] = k[0], v[0]
+            y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                               enable_gqa=True)  # [1, H, 1, hd]
+            return y[0].transpose(0, 1)
         rows = step.looped + layer if layer < self.n_core else step.first + (
             self.depth_slots + layer - self.n_core)
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # one index_put each
@@ -151,6 +162,15 @@ class KVCache:
         rows = slice(slot * self.seq_slots, (slot + 1) * self.seq_slots)
         for t in (self.k, self.v):
             t[rows, :, pos] = t[rows, :, self.scratch + 1 + branch]
+
+
+class Alone(NamedTuple):
+    """An eager call of one lane (one sequence, width 1), its row's position and depth known on the
+    host: its attention reads its slot's columns 0..pos as views of the buffers, in one SDPA call
+    without a mask, as a plain forward does. Exact: it reads no column past its position, so no
+    dropped or stale key can reach it; its bits are a function of its position and keys alone."""
+    pos: int
+    depth: int
 
 
 class Branches(NamedTuple):
@@ -336,8 +356,8 @@ class SharedKVCache(KVCache):
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
 
-    def prepare(self, pos, depth, span, sums=False, branches=None):
-        step = super().prepare(pos, depth, span, sums, branches)
+    def prepare(self, pos, depth, span, sums=False, branches=None, alone=None):
+        step = super().prepare(pos, depth, span, sums, branches)  # the looped layers read by Step
         at, idle = step.at, step.at == self.scratch
         ring_col = torch.where(idle, self.ring, at % self.ring)
         if branches is not None:

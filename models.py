@@ -116,6 +116,7 @@ class Call(NamedTuple):
     compiled: bool = False
     clock: Optional[torch.Tensor] = None
     branches: Optional[Branches] = None
+    alone: Optional[tuple] = None  # eager, one lane: its row's (position, depth) (kv.Alone)
 
 
 class LoopedLM(nn.Module):
@@ -187,12 +188,14 @@ class LoopedLM(nn.Module):
                            self.to_device(pos, None, cache, compiled, top))
 
     def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None,
-          branches=None):
+          branches=None, alone=None):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
         (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
-        the rows read of the branch columns (kv.Branches; the Decoder's second proposal)."""
-        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches)
+        the rows read of the branch columns (kv.Branches; the Decoder's second proposal); alone: as
+        Call's."""
+        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches,
+                                                                         alone=alone)
         if self.clock is not None:
             T = num_steps or (self.num_steps if cache is None else cache.num_steps)
             call = call._replace(clock=self.clock_table(T))
@@ -282,7 +285,7 @@ class LoopedLM(nn.Module):
         cache = call.cache
         sums = call.compiled and compiling.sums_written_out(self.device)
         step = None if cache is None else cache.prepare(call.pos, call.depth, call.span, sums,
-                                                        call.branches)
+                                                        call.branches, call.alone)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

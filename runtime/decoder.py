@@ -228,9 +228,13 @@ class Decoder:
         call holds it."""
         return pos % self.width
 
+    def alone(self, top, depth=0):
+        """An eager call of one lane: its row's (position, depth), for its attention (kv.Alone)."""
+        return None if self.compiled or self.lanes > 1 else (top, depth)
+
     def call(self, sent, top, branches):
         return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
-            branches=branches)
+            branches=branches, alone=self.alone(top))
 
     def start(self, runs):
         """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a
@@ -261,11 +265,12 @@ class Decoder:
             self.start(starting)
         rows = [r for run in runs for r in run.waits.rows]
         sent, branches, top = self.stage(rows, second=lambda r: r.depth)
+        alone = self.alone(top, rows[0].depth)
         for r in rows:
             r.depth += 1
         t0 = time.perf_counter()
         self.s = self.model.R(self.s, self.e, sent.pos, sent.second, self.cache, self.compiled,
-                              top=top, branches=branches)
+                              top=top, branches=branches, alone=alone)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
