@@ -94,14 +94,18 @@ class KVCache:
         n = self.scratch // self.block
         return [1 << i for i in range((n - 1).bit_length())] + [n]
 
-    def prepare(self, pos, depth, span, sums=False, branches=None, alone=None):
+    def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
         idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
-        the call's Branches, or None; alone: an eager call's one row's (position, depth) on the
-        host, or None (Alone)."""
+        the call's Branches, or None. rows: an eager call's rows as the host staged them, (lane,
+        position, depth) each (models.Call.rows): then, after the prefill, each row attends over
+        its slot's columns 0..position, read as views of the buffers, in an SDPA call of its own
+        without a mask, as a plain forward does. Exact: a row reads no column past its position,
+        so no dropped or stale key reaches it, and its bits are a function of its position and
+        its keys alone, whichever rows share its call."""
         n = pos.shape[0]
-        if alone is not None and span and n == 1 and branches is None:
-            return Alone(*alone)
+        if rows is not None and span:  # each with its sequence's first buffer row
+            return [(lane, p, lane // (n // self.batch) * self.seq_slots, d) for lane, p, d in rows]
         if n % self.batch:
             raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
         at = torch.where(pos < 0, self.scratch, pos)
@@ -139,14 +143,8 @@ class KVCache:
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
         hd]) to the visible keys of its sequence's slot for this layer at the row's depth."""
-        if isinstance(step, Alone):  # its slot's columns 0..pos, every one visible, as views
-            row = step.depth * self.n_core + layer if layer < self.n_core else (
-                self.depth_slots + layer - self.n_core)
-            keys, values = (t[row, :, :step.pos + 1] for t in (self.k, self.v))  # [Hkv, pos+1, hd]
-            keys[:, -1], values[:, -1] = k[0], v[0]
-            y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                               enable_gqa=True)  # [1, H, 1, hd]
-            return y[0].transpose(0, 1)
+        if isinstance(step, list):  # (lane, position, first, depth) of each row (prepare)
+            return self.attend_rows(step, layer, q, k, v)
         rows = step.looped + layer if layer < self.n_core else step.first + (
             self.depth_slots + layer - self.n_core)
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # one index_put each
@@ -155,6 +153,19 @@ class KVCache:
         return attend_blocks(q, [(read(bk, self.k, rows, how), read(bv, self.v, rows, how), seen)
                                  for bk, bv, seen, how in step.blocks], step.sums)
 
+    def attend_rows(self, rows, layer, q, k, v):
+        """attend, each row over its slot's columns 0..pos (prepare's rows); idle lanes get 0."""
+        q4, views = q.unsqueeze(2), {}  # [N, H, 1, hd]
+        for lane, pos, first, depth in rows:  # every row's keys written before any row reads
+            row = first + (depth * self.n_core + layer if layer < self.n_core else
+                           self.depth_slots + layer - self.n_core)
+            keys, values = self.k[row:row + 1, :, :pos + 1], self.v[row:row + 1, :, :pos + 1]
+            keys[0, :, pos], values[0, :, pos] = k[lane], v[lane]  # [1, Hkv, pos + 1, hd] each
+            views[lane] = keys, values
+        y = [F.scaled_dot_product_attention(q4[i:i + 1], *views[i], enable_gqa=True) if i in views
+             else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
+        return (torch.cat(y) if len(y) > 1 else y[0]).squeeze(2)
+
     def settle(self, slot, branch, pos):
         """A second row that won its position, retiring: its keys and values, in every slot of its
         sequence, from its branch's column to its position's, where the rows after it read
@@ -162,15 +173,6 @@ class KVCache:
         rows = slice(slot * self.seq_slots, (slot + 1) * self.seq_slots)
         for t in (self.k, self.v):
             t[rows, :, pos] = t[rows, :, self.scratch + 1 + branch]
-
-
-class Alone(NamedTuple):
-    """An eager call of one lane (one sequence, width 1), its row's position and depth known on the
-    host: its attention reads its slot's columns 0..pos as views of the buffers, in one SDPA call
-    without a mask, as a plain forward does. Exact: it reads no column past its position, so no
-    dropped or stale key can reach it; its bits are a function of its position and keys alone."""
-    pos: int
-    depth: int
 
 
 class Branches(NamedTuple):
@@ -356,8 +358,8 @@ class SharedKVCache(KVCache):
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
 
-    def prepare(self, pos, depth, span, sums=False, branches=None, alone=None):
-        step = super().prepare(pos, depth, span, sums, branches)  # the looped layers read by Step
+    def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
+        step = super().prepare(pos, depth, span, sums, branches)  # a Step: the windows need it
         at, idle = step.at, step.at == self.scratch
         ring_col = torch.where(idle, self.ring, at % self.ring)
         if branches is not None:
