@@ -235,7 +235,7 @@ class Decoder:
             return None
         return [(r.lane, r.pos, depth(r)) for r in rows]
 
-    def call(self, sent, top, branches, rows):
+    def call(self, sent, top, branches, rows=()):
         return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
             branches=branches, rows=self.rows(rows))
 
