@@ -97,17 +97,16 @@ class KVCache:
     def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
         idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
-        the call's Branches, or None. rows: an eager call's rows as the host staged them, (lane,
-        position, depth) each (models.Call.rows): then, after the prefill, each row attends over
-        its slot's columns 0..position, read as views of the buffers, in an SDPA call of its own
-        without a mask, as a plain forward does. Exact: a row reads no column past its position,
-        so no dropped or stale key reaches it, and its bits are a function of its position and
-        its keys alone, whichever rows share its call."""
+        the call's Branches, or None. rows: an eager call's rows (models.Call.rows): then, after the
+        prefill, each row attends in an SDPA call of its own, without a mask, as a plain forward
+        does, over its slot's columns 0..position, views of the buffers (gathered, redirects read
+        from their branch columns). Exact: no row reads a column past its position, where dropped
+        or stale keys lie, and its bits are its keys' alone (a view's, a copy's: the same)."""
         n = pos.shape[0]
-        if rows is not None and span:  # each with its sequence's first buffer row
-            return [(lane, p, lane // (n // self.batch) * self.seq_slots, d) for lane, p, d in rows]
-        if n % self.batch:
-            raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
+        if rows is not None and span:  # each row's first buffer row, write column, read columns
+            return [(lane, lane // (n // self.batch) * self.seq_slots, d,
+                     p if b is None else self.scratch + 1 + b, self.columns(p, dict(moved)))
+                    for lane, p, d, b, moved in rows]
         at = torch.where(pos < 0, self.scratch, pos)
         col = at if branches is None else torch.where(branches.branch >= 0,
                                                       self.scratch + 1 + branches.branch, at)
@@ -143,7 +142,7 @@ class KVCache:
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
         hd]) to the visible keys of its sequence's slot for this layer at the row's depth."""
-        if isinstance(step, list):  # (lane, position, first, depth) of each row (prepare)
+        if isinstance(step, list):  # each row's own (prepare's rows)
             return self.attend_rows(step, layer, q, k, v)
         rows = step.looped + layer if layer < self.n_core else step.first + (
             self.depth_slots + layer - self.n_core)
@@ -153,17 +152,23 @@ class KVCache:
         return attend_blocks(q, [(read(bk, self.k, rows, how), read(bv, self.v, rows, how), seen)
                                  for bk, bv, seen, how in step.blocks], step.sums)
 
+    def columns(self, pos, moved):
+        """The columns of positions 0..pos, those in moved (position -> branch) their branch's."""
+        return slice(0, pos + 1) if not moved else torch.tensor(  # a view, or to gather
+            [self.scratch + 1 + moved.get(c, c - self.scratch - 1) for c in range(pos + 1)])
+
     def attend_rows(self, rows, layer, q, k, v):
-        """attend, each row over its slot's columns 0..pos (prepare's rows); idle lanes get 0."""
-        q4, views = q.unsqueeze(2), {}  # [N, H, 1, hd]
-        for lane, pos, first, depth in rows:  # every row's keys written before any row reads
+        """attend, each row over its columns (prepare's rows); idle lanes get 0."""
+        q4, reads = q.unsqueeze(2), {}  # [N, H, 1, hd]
+        for lane, first, depth, col, cols in rows:  # every row's keys written before any row reads
             row = first + (depth * self.n_core + layer if layer < self.n_core else
                            self.depth_slots + layer - self.n_core)
-            keys, values = self.k[row:row + 1, :, :pos + 1], self.v[row:row + 1, :, :pos + 1]
-            keys[0, :, pos], values[0, :, pos] = k[lane], v[lane]  # [1, Hkv, pos + 1, hd] each
-            views[lane] = keys, values
-        y = [F.scaled_dot_product_attention(q4[i:i + 1], *views[i], enable_gqa=True) if i in views
-             else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
+            keys, values = self.k[row:row + 1], self.v[row:row + 1]  # [1, Hkv, columns, hd]
+            keys[0, :, col], values[0, :, col] = k[lane], v[lane]
+            reads[lane] = keys, values, cols
+        y = [F.scaled_dot_product_attention(q4[i:i + 1], reads[i][0][:, :, reads[i][2]],
+                                            reads[i][1][:, :, reads[i][2]], enable_gqa=True)
+             if i in reads else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
         return (torch.cat(y) if len(y) > 1 else y[0]).squeeze(2)
 
     def settle(self, slot, branch, pos):
@@ -359,7 +364,7 @@ class SharedKVCache(KVCache):
         self.ring_v = torch.zeros_like(self.ring_k)
 
     def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
-        step = super().prepare(pos, depth, span, sums, branches)  # a Step: the windows need it
+        step = super().prepare(pos, depth, span, sums, branches)  # rows or not: the windows' Step
         at, idle = step.at, step.at == self.scratch
         ring_col = torch.where(idle, self.ring, at % self.ring)
         if branches is not None:

@@ -229,11 +229,12 @@ class Decoder:
         return pos % self.width
 
     def rows(self, rows, depth=lambda r: 0):
-        """An eager call's rows, (lane, position, depth) each, for their attention (models.Call):
-        on a CPU, or in one lane, without branch columns."""
-        if self.compiled or self.branches or self.lanes > 1 and self.model.device.type != "cpu":
+        """An eager call's rows, (lane, position, depth, branch, redirects) each, for their
+        attention (models.Call): on a CPU, or in one lane."""
+        if self.compiled or self.lanes > 1 and self.model.device.type != "cpu":
             return None
-        return [(r.lane, r.pos, depth(r)) for r in rows]
+        moved = self.branches.redirects if self.branches else lambda r: ()
+        return [(r.lane, r.pos, depth(r), r.branch, tuple(moved(r))) for r in rows]
 
     def call(self, sent, top, branches, rows=()):
         return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
