@@ -97,12 +97,12 @@ class KVCache:
     def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
         idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
-        the call's Branches, or None. rows: an eager call's rows (models.Call.rows): then, after the
-        prefill, each row attends in an SDPA call of its own, without a mask, as a plain forward
-        does, over its slot's columns 0..position, views of the buffers (gathered, redirects read
-        from their branch columns). Exact: no row reads a column past its position, where dropped
-        or stale keys lie, and its bits are its keys' alone (a view's, a copy's: the same)."""
+        the call's Branches, or None. rows (models.Call.rows): after the prefill each row attends
+        alone, as a plain forward does, over its slot's columns 0..pos (views; redirects gathered),
+        unmasked: none past it is read, and its bits are its keys' alone (docs/exactness.md)."""
         n = pos.shape[0]
+        if n % self.batch:
+            raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
         if rows is not None and span:  # each row's first buffer row, write column, read columns
             return [(lane, lane // (n // self.batch) * self.seq_slots, d,
                      p if b is None else self.scratch + 1 + b, self.columns(p, dict(moved)))
@@ -153,9 +153,11 @@ class KVCache:
                                  for bk, bv, seen, how in step.blocks], step.sums)
 
     def columns(self, pos, moved):
-        """The columns of positions 0..pos, those in moved (position -> branch) their branch's."""
-        return slice(0, pos + 1) if not moved else torch.tensor(  # a view, or to gather
-            [self.scratch + 1 + moved.get(c, c - self.scratch - 1) for c in range(pos + 1)])
+        """Columns 0..pos, those in moved (position: branch) their branch's: slice or tensor."""
+        cols = torch.arange(pos + 1, device=self.device) if moved else slice(0, pos + 1)
+        for c, b in moved.items():
+            cols[c] = self.scratch + 1 + b
+        return cols
 
     def attend_rows(self, rows, layer, q, k, v):
         """attend, each row over its columns (prepare's rows); idle lanes get 0."""

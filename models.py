@@ -192,8 +192,7 @@ class LoopedLM(nn.Module):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
         (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
-        the rows read of the branch columns (kv.Branches; the Decoder's second proposal); rows: as
-        Call's."""
+        the rows read of the branch columns (kv.Branches: the second proposal); rows: Call.rows."""
         call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches,
                                                                          rows=rows)
         if self.clock is not None:
