@@ -94,13 +94,19 @@ class KVCache:
         n = self.scratch // self.block
         return [1 << i for i in range((n - 1).bit_length())] + [n]
 
-    def prepare(self, pos, depth, span, sums=False, branches=None):
+    def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
         """Once per call, on the device (so that a compiled call takes it in): pos int64 [N], -1 for
         idle lanes; depth int64 [N], or an int for every row, or None (no looped layer); branches:
-        the call's Branches, or None."""
+        the call's Branches, or None. rows (models.Call.rows): after the prefill each row attends
+        alone, as a plain forward does, over its slot's columns 0..pos (views; redirects gathered),
+        unmasked: none past it is read, and its bits are its keys' alone (docs/exactness.md)."""
         n = pos.shape[0]
         if n % self.batch:
             raise ValueError(f"a call of {n} lanes cannot split evenly over {self.batch} sequences")
+        if rows is not None and span:  # each row's first buffer row, write column, read columns
+            return [(lane, lane // (n // self.batch) * self.seq_slots, d,
+                     p if b is None else self.scratch + 1 + b, self.columns(p, dict(moved)))
+                    for lane, p, d, b, moved in rows]
         at = torch.where(pos < 0, self.scratch, pos)
         col = at if branches is None else torch.where(branches.branch >= 0,
                                                       self.scratch + 1 + branches.branch, at)
@@ -136,6 +142,8 @@ class KVCache:
     def attend(self, step, layer, q, k, v):
         """Write this call's keys and values (k, v [N, Hkv, hd]), then attend each row (q [N, H,
         hd]) to the visible keys of its sequence's slot for this layer at the row's depth."""
+        if isinstance(step, list):  # each row's own (prepare's rows)
+            return self.attend_rows(step, layer, q, k, v)
         rows = step.looped + layer if layer < self.n_core else step.first + (
             self.depth_slots + layer - self.n_core)
         self.k[rows, :, step.col], self.v[rows, :, step.col] = k, v  # one index_put each
@@ -143,6 +151,27 @@ class KVCache:
             return causal_attention(q, k, v)
         return attend_blocks(q, [(read(bk, self.k, rows, how), read(bv, self.v, rows, how), seen)
                                  for bk, bv, seen, how in step.blocks], step.sums)
+
+    def columns(self, pos, moved):
+        """Columns 0..pos, those in moved (position: branch) their branch's: slice or tensor."""
+        cols = torch.arange(pos + 1, device=self.device) if moved else slice(0, pos + 1)
+        for c, b in moved.items():
+            cols[c] = self.scratch + 1 + b
+        return cols
+
+    def attend_rows(self, rows, layer, q, k, v):
+        """attend, each row over its columns (prepare's rows); idle lanes get 0."""
+        q4, reads = q.unsqueeze(2), {}  # [N, H, 1, hd]
+        for lane, first, depth, col, cols in rows:  # every row's keys written before any row reads
+            row = first + (depth * self.n_core + layer if layer < self.n_core else
+                           self.depth_slots + layer - self.n_core)
+            keys, values = self.k[row:row + 1], self.v[row:row + 1]  # [1, Hkv, columns, hd]
+            keys[0, :, col], values[0, :, col] = k[lane], v[lane]
+            reads[lane] = keys, values, cols
+        y = [F.scaled_dot_product_attention(q4[i:i + 1], reads[i][0][:, :, reads[i][2]],
+                                            reads[i][1][:, :, reads[i][2]], enable_gqa=True)
+             if i in reads else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
+        return (torch.cat(y) if len(y) > 1 else y[0]).squeeze(2)
 
     def settle(self, slot, branch, pos):
         """A second row that won its position, retiring: its keys and values, in every slot of its
@@ -336,8 +365,8 @@ class SharedKVCache(KVCache):
         self.ring_k = torch.zeros(ring, device=self.device, dtype=model.dtype)
         self.ring_v = torch.zeros_like(self.ring_k)
 
-    def prepare(self, pos, depth, span, sums=False, branches=None):
-        step = super().prepare(pos, depth, span, sums, branches)
+    def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
+        step = super().prepare(pos, depth, span, sums, branches)  # rows or not: the windows' Step
         at, idle = step.at, step.at == self.scratch
         ring_col = torch.where(idle, self.ring, at % self.ring)
         if branches is not None:

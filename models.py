@@ -116,6 +116,7 @@ class Call(NamedTuple):
     compiled: bool = False
     clock: Optional[torch.Tensor] = None
     branches: Optional[Branches] = None
+    rows: Optional[list] = None  # eager: the rows as the host stages them (kv.KVCache.prepare)
 
 
 class LoopedLM(nn.Module):
@@ -187,12 +188,13 @@ class LoopedLM(nn.Module):
                            self.to_device(pos, None, cache, compiled, top))
 
     def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None,
-          branches=None):
+          branches=None, rows=None):
         """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
         or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
         (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
-        the rows read of the branch columns (kv.Branches; the Decoder's second proposal)."""
-        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches)
+        the rows read of the branch columns (kv.Branches: the second proposal); rows: Call.rows."""
+        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches,
+                                                                         rows=rows)
         if self.clock is not None:
             T = num_steps or (self.num_steps if cache is None else cache.num_steps)
             call = call._replace(clock=self.clock_table(T))
@@ -282,7 +284,7 @@ class LoopedLM(nn.Module):
         cache = call.cache
         sums = call.compiled and compiling.sums_written_out(self.device)
         step = None if cache is None else cache.prepare(call.pos, call.depth, call.span, sums,
-                                                        call.branches)
+                                                        call.branches, call.rows)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

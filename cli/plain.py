@@ -26,7 +26,7 @@ class PlainCache:
     def span(self, top, prefill=False, bucket=False):
         return 0 if prefill else 1
 
-    def prepare(self, pos, depth, span, sums=False, branches=None):
+    def prepare(self, pos, depth, span, sums=False, branches=None, rows=None):
         return depth or 0  # every row of a call at one depth
 
     def attend(self, depth, layer, q, k, v):

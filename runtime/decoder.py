@@ -228,9 +228,17 @@ class Decoder:
         call holds it."""
         return pos % self.width
 
-    def call(self, sent, top, branches):
+    def rows(self, rows, depth=lambda r: 0):
+        """An eager call's rows, (lane, position, depth, branch, redirects) each, for their
+        attention (models.Call): on a CPU, or in one lane."""
+        if self.compiled or self.lanes > 1 and self.model.device.type != "cpu":
+            return None
+        moved = self.branches.redirects if self.branches else lambda r: ()
+        return [(r.lane, r.pos, depth(r), r.branch, tuple(moved(r))) for r in rows]
+
+    def call(self, sent, top, branches, rows=()):
         return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
-            branches=branches)
+            branches=branches, rows=self.rows(rows))
 
     def start(self, runs):
         """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a
@@ -249,8 +257,8 @@ class Decoder:
         sent, branches, top = self.stage(starting, second=lambda r: r.token)
         for run in runs:
             run.seq.starting = []
-        self.s, self.e = self.start_call(self.model, sent.second, self.call(sent, top, branches),
-                                         self.s, self.e)
+        self.s, self.e = self.start_call(self.model, sent.second,
+                                         self.call(sent, top, branches, starting), self.s, self.e)
 
     def advance(self, runs):
         """R: one call moves every row of every sequence one recurrence deeper, each at its own
@@ -261,11 +269,12 @@ class Decoder:
             self.start(starting)
         rows = [r for run in runs for r in run.waits.rows]
         sent, branches, top = self.stage(rows, second=lambda r: r.depth)
+        host = self.rows(rows, lambda r: r.depth)
         for r in rows:
             r.depth += 1
         t0 = time.perf_counter()
         self.s = self.model.R(self.s, self.e, sent.pos, sent.second, self.cache, self.compiled,
-                              top=top, branches=branches)
+                              top=top, branches=branches, rows=host)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
@@ -282,9 +291,11 @@ class Decoder:
         """C: each running row's logits and the token they choose, in one call and one transfer to
         the host. Returns each run's Readouts. A row read at full depth retires: a winner in a
         branch column settles (BranchColumns.settle)."""
-        sent, branches, top = self.stage([r for run in runs for r in run.waits.rows])
-        logits, chosen = self.read_call(self.model, self.s, self.e, self.call(sent, top, branches),
-                                        self.sampler, salt=self.salt)
+        rows = [r for run in runs for r in run.waits.rows]
+        sent, branches, top = self.stage(rows)
+        logits, chosen = self.read_call(self.model, self.s, self.e,
+                                        self.call(sent, top, branches, rows), self.sampler,
+                                        salt=self.salt)
         if self.branches:
             for run in runs:
                 self.branches.settle(run.seq.slot, run.waits.rows, self.num_steps)
