@@ -64,8 +64,6 @@ else
     steps=${STEPS:-$ALL}
 fi
 mkdir -p "$RESULTS"
-parallel=""  # the test steps' flags: the whole matrix in 8 processes where pytest-xdist is installed
-"$PY" -c "import xdist" 2>/dev/null && parallel="--runslow -n 8"
 
 # step NAME ESTIMATE_S COMMAND...: runs COMMAND into RESULTS/NAME.txt if its estimate fits the
 # time left; status 0 when it ran and passed
@@ -116,6 +114,11 @@ compiled() {  # compiled NAME CONFIG ACCEPTANCE [FLAGS...]: bench, compiled, the
     bench "$@" --compile && step "$name-check" 5 "$PY" -c "$NOTHING_COMPILED" "$RESULTS/$name"
 }
 
+# the test steps' flags: the whole matrix in 8 processes where pytest-xdist is installed
+parallel=""
+case " $steps " in
+    *" cuda-path "*|*" tests "*) "$PY" -c "import xdist" 2>/dev/null && parallel="--runslow -n 8" ;;
+esac
 for s in $steps; do
     case $s in
         # the imitation switched off: its cases on the GPU, all of them in 8 processes where
