@@ -228,7 +228,7 @@ class Decoder:
         call holds it."""
         return pos % self.width
 
-    def rows(self, rows, depth=lambda r: 0):
+    def rows_alone(self, rows, depth=lambda r: 0):
         """An eager call's rows, (lane, position, depth, branch, redirects) each, for their
         attention (models.Call): on a CPU, or in one lane."""
         if self.compiled or self.lanes > 1 and self.model.device.type != "cpu":
@@ -238,7 +238,7 @@ class Decoder:
 
     def call(self, sent, top, branches, rows=()):
         return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
-            branches=branches, rows=self.rows(rows))
+            branches=branches, rows=self.rows_alone(rows))
 
     def start(self, runs):
         """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a
@@ -269,12 +269,12 @@ class Decoder:
             self.start(starting)
         rows = [r for run in runs for r in run.waits.rows]
         sent, branches, top = self.stage(rows, second=lambda r: r.depth)
-        host = self.rows(rows, lambda r: r.depth)
+        alone = self.rows_alone(rows, lambda r: r.depth)
         for r in rows:
             r.depth += 1
         t0 = time.perf_counter()
         self.s = self.model.R(self.s, self.e, sent.pos, sent.second, self.cache, self.compiled,
-                              top=top, branches=branches, rows=host)
+                              top=top, branches=branches, rows=alone)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
