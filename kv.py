@@ -34,8 +34,7 @@ class Step:
                           # second row at a position), or scratch for idle lanes
     at: torch.Tensor      # [N] its position, or scratch for idle lanes (which see every key)
     span: int             # key blocks the call reads; 0: the prefill, causal among its own rows
-    blocks: list          # per key block read: (k, v, its Mask, how to read it): k, v the block's
-                          # view of the buffers (read)
+    blocks: list          # per key block read: (k, v, its Mask, how to read it) (key_blocks)
     depth: torch.Tensor   # [N] each row's depth (0 in a call without looped layers)
     first: torch.Tensor   # [N] each row's sequence's first buffer row
     looped: torch.Tensor  # [N] first + depth * n_core: its row of looped layer 0 (layer j: + j)
@@ -165,18 +164,16 @@ class KVCache:
         for lane, first, depth, col, cols in rows:  # every row's keys written before any row reads
             row = first + (depth * self.n_core + layer if layer < self.n_core else
                            self.depth_slots + layer - self.n_core)
-            keys, values = self.k[row:row + 1], self.v[row:row + 1]  # [1, Hkv, columns, hd]
-            keys[0, :, col], values[0, :, col] = k[lane], v[lane]
-            reads[lane] = keys, values, cols
-        y = [F.scaled_dot_product_attention(q4[i:i + 1], reads[i][0][:, :, reads[i][2]],
-                                            reads[i][1][:, :, reads[i][2]], enable_gqa=True)
+            self.k[row, :, col], self.v[row, :, col] = k[lane], v[lane]
+            reads[lane] = slice(row, row + 1), cols
+        y = [F.scaled_dot_product_attention(q4[i:i + 1], self.k[reads[i][0], :, reads[i][1]],
+                                            self.v[reads[i][0], :, reads[i][1]], enable_gqa=True)
              if i in reads else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
         return (torch.cat(y) if len(y) > 1 else y[0]).squeeze(2)
 
     def settle(self, slot, branch, pos):
         """A second row that won its position, retiring: its keys and values, in every slot of its
-        sequence, from its branch's column to its position's, where the rows after it read
-        them."""
+        sequence, from its branch's column to its position's, where the rows after it read them."""
         rows = slice(slot * self.seq_slots, (slot + 1) * self.seq_slots)
         for t in (self.k, self.v):
             t[rows, :, pos] = t[rows, :, self.scratch + 1 + branch]
@@ -383,9 +380,8 @@ class SharedKVCache(KVCache):
         seq = torch.arange(len(at), device=at.device) // (len(at) // self.batch)
         # Step's fields by name, not vars(step): torch 2.11's dynamo cannot trace a __dict__
         return SharedStep(**{f: getattr(step, f) for f in Step.__dataclass_fields__}, seq=seq,
-                          ring_col=ring_col, final_col=final_col,
-                          window_col=window_col, window_seen=mask(window >= 0, self.k.dtype),
-                          older=older)
+                          ring_col=ring_col, final_col=final_col, window_col=window_col,
+                          window_seen=mask(window >= 0, self.k.dtype), older=older)
 
     def attend(self, step, layer, q, k, v):
         if layer >= self.n_core:

@@ -117,6 +117,12 @@ class Call(NamedTuple):
     clock: Optional[torch.Tensor] = None
     branches: Optional[Branches] = None
     rows: Optional[list] = None  # eager: the rows as the host stages them (kv.KVCache.prepare)
+    busy: bool = False  # every lane holds a row, as the host knows: no idle lane's state to keep
+
+    def given(self, rows, branches=None):
+        """The call with the host's rows and its branches; busy when the rows fill every lane."""
+        return self._replace(rows=rows, branches=branches,
+                             busy=self.busy or rows is not None and len(rows) == len(self.pos))
 
 
 class LoopedLM(nn.Module):
@@ -193,8 +199,7 @@ class LoopedLM(nn.Module):
         or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
         (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
         the rows read of the branch columns (kv.Branches: the second proposal); rows: Call.rows."""
-        call = self.to_device(pos, depth, cache, compiled, top)._replace(branches=branches,
-                                                                         rows=rows)
+        call = self.to_device(pos, depth, cache, compiled, top).given(rows, branches)
         if self.clock is not None:
             T = num_steps or (self.num_steps if cache is None else cache.num_steps)
             call = call._replace(clock=self.clock_table(T))
@@ -214,12 +219,10 @@ class LoopedLM(nn.Module):
         if top is not None:
             span = None if cache is None else cache.span(top, bucket=compiled)
             return Call(pos, depth, cache, span, compiled)
-        span = None
-        if cache is not None:
-            rows = pos.tolist()  # one read, not one per element
-            span = cache.span(max(rows), prefill=rows[0] == 0, bucket=compiled)
+        rows = pos.tolist()  # one read, not one per element
+        span = cache.span(max(rows), prefill=rows[0] == 0, bucket=compiled) if cache else None
         move = lambda t: t.to(self.device) if torch.is_tensor(t) else t
-        return Call(move(pos), move(depth), cache, span, compiled)
+        return Call(move(pos), move(depth), cache, span, compiled, busy=min(rows) >= 0)
 
     def p_body(self, ids, call):
         """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
@@ -241,7 +244,7 @@ class LoopedLM(nn.Module):
         mod = None if call.clock is None else call.clock[call.depth]  # [(N,) L, 4D]
         x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
         x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
-        return torch.where(call.pos[:, None] >= 0, x, s)
+        return x if call.busy else torch.where(call.pos[:, None] >= 0, x, s)
 
     def c_body(self, s, e, call, rows=None):
         a = self.args

@@ -37,6 +37,8 @@ def start_body(model, ids, call, s, e):
     """P, and its rows' e and s0 into their lanes (pos >= 0) of the lanes' s and e, in one function,
     so that compiled decoding compiles them into one graph: the new (s, e)."""
     e_new, s_new = model.p_body(ids, call)
+    if call.busy:  # every lane starts a row
+        return s_new, e_new
     started = call.pos[:, None] >= 0
     return torch.where(started, s_new, s), None if e is None else torch.where(started, e_new, e)
 
@@ -47,24 +49,33 @@ def read_body(model, s, e, call, sampling, rows=None, salt=None):
     chooses for the position after its row and 1 where all its logits are finite; with the salt
     (digest_salt), a third line, each row's digest."""
     logits = model.c_body(s, e, call, rows)
-    nxt = (call.pos if rows is None else call.pos[rows]) + 1
-    chosen = [choose(logits, nxt, sampling), logits.isfinite().all(-1).long()]
+    nxt = None if sampling.greedy else (call.pos if rows is None else call.pos[rows]) + 1
+    # a NaN or an inf carries into the float64 sum, which finite float32 logits never overflow
+    finite = logits.sum(-1, dtype=torch.float64).isfinite()
+    chosen = [choose(logits, nxt, sampling), finite.long()]
     if salt is not None:
         chosen.append(digest(logits, salt))
     return logits, torch.stack(chosen)
 
 
 def digest_salt(vocab, device):
-    return mix32(torch.arange(vocab, device=device))
+    """Each vocabulary entry's salt for digest, [2, V] int64: a 32-bit mask, and an odd multiplier
+    below 2^31, both hashed from the entry's index."""
+    h = mix32(torch.arange(2 * vocab, device=device)).view(2, vocab)
+    return torch.stack([h[0], h[1] >> 1 | 1])
 
 
 def digest(logits, salt):
     """Each row's hash [n] (int64) of the bits of its float32 logits [n, V]: the sum over v of
-    mix32(bits_v xor salt_v), exact in int64 (V * 2^32 < 2^63). A change of any one logit changes
-    it (mix32 is a bijection); several changes cancel out with a chance of about 2^-32. Made on
-    the device, so that digested logits never cross to the host."""
-    bits = logits.view(torch.int32).long() & M32
-    return mix32(bits ^ salt).sum(-1)
+    (bits_v xor mask_v) * multiplier_v mod 2^32, exact in int64 (each product is below 2^63, the sum
+    below V * 2^32). Each term is a bijection of its logit's 32 bits (xor, then a product by an odd
+    number mod 2^32), so a change of any one logit changes the hash; several changes cancel out
+    with a chance of about 2^-32. Made on the device, so that digested logits never cross to the
+    host. (bits sign-extended to int64 keep their low 32 bits, all that the sum reads.)"""
+    h = logits.view(torch.int32).long()
+    h ^= salt[0]
+    h *= salt[1]
+    return h.bitwise_and_(M32).sum(-1)
 
 
 # -- what the host sends a call --------------------------------------------------------------------
@@ -237,8 +248,8 @@ class Decoder:
         return [(r.lane, r.pos, depth(r), r.branch, tuple(moved(r))) for r in rows]
 
     def call(self, sent, top, branches, rows=()):
-        return self.model.to_device(sent.pos, None, self.cache, self.compiled, top)._replace(
-            branches=branches, rows=self.rows_alone(rows))
+        return self.model.to_device(sent.pos, None, self.cache, self.compiled, top).given(
+            self.rows_alone(rows), branches)
 
     def start(self, runs):
         """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a

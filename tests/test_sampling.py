@@ -287,6 +287,20 @@ def test_sampling_arguments_are_checked():
             wfd.generate(model, [1, 2], 5, **kwargs)
 
 
+def test_logits_that_are_not_finite_are_refused():
+    """A NaN or an inf in any one logit of a row read at full depth (the last entry's, the first's
+    or another's) stops generation with an error naming its position, greedy or sampled, rather
+    than a token chosen from them."""
+    vocab = tiny_model("ouro", 0).args.vocab_size
+    for entry, value in ((vocab - 1, float("nan")), (0, float("inf")), (vocab // 3, -1e300)):
+        model = tiny_model("ouro", 0)  # float64: -1e300 overflows the float32 logits to -inf
+        model.lm_head.weight.data[entry] = 0
+        model.lm_head.weight.data[entry, 0] = value
+        for method, kwargs in (("ar", {}), ("wfd", dict(temperature=1.0, top_k=5, seed=3))):
+            with pytest.raises(ValueError, match="the logits for position 2 are not finite"):
+                wfd.generate(model, [1, 2], 5, method=method, **kwargs)
+
+
 # -- the command lines -----------------------------------------------------------------------------
 
 def test_run_py_samples_the_same_text_with_every_method(capsys):
