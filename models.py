@@ -215,14 +215,14 @@ class LoopedLM(nn.Module):
     def to_device(self, pos, depth, cache, compiled=False, top=None):
         """A call's inputs as a Call on the device, its key blocks checked against the cache: with
         `top`, pos and depth are on the device already; without, they are read (for the key
-        blocks) and copied there."""
+        blocks and Call.busy) and copied there."""
         if top is not None:
             span = None if cache is None else cache.span(top, bucket=compiled)
             return Call(pos, depth, cache, span, compiled)
-        rows = pos.tolist()  # one read, not one per element
-        span = cache.span(max(rows), prefill=rows[0] == 0, bucket=compiled) if cache else None
+        at = pos.tolist()  # one read, not one per element
+        span = cache.span(max(at), prefill=at[0] == 0, bucket=compiled) if cache else None
         move = lambda t: t.to(self.device) if torch.is_tensor(t) else t
-        return Call(move(pos), move(depth), cache, span, compiled, busy=min(rows) >= 0)
+        return Call(move(pos), move(depth), cache, span, compiled, busy=min(at) >= 0)
 
     def p_body(self, ids, call):
         """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
