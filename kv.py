@@ -165,9 +165,9 @@ class KVCache:
             row = first + (depth * self.n_core + layer if layer < self.n_core else
                            self.depth_slots + layer - self.n_core)
             self.k[row, :, col], self.v[row, :, col] = k[lane], v[lane]
-            reads[lane] = slice(row, row + 1), cols
-        y = [F.scaled_dot_product_attention(q4[i:i + 1], self.k[reads[i][0], :, reads[i][1]],
-                                            self.v[reads[i][0], :, reads[i][1]], enable_gqa=True)
+            reads[lane] = slice(row, row + 1), slice(None), cols  # [1, Hkv, columns, hd]
+        y = [F.scaled_dot_product_attention(q4[i:i + 1], self.k[reads[i]], self.v[reads[i]],
+                                            enable_gqa=True)
              if i in reads else q4.new_zeros(q4[:1].shape) for i in range(len(q))]
         return (torch.cat(y) if len(y) > 1 else y[0]).squeeze(2)
 

@@ -289,8 +289,8 @@ def test_sampling_arguments_are_checked():
 
 def test_logits_that_are_not_finite_are_refused():
     """A NaN or an inf in any one logit of a row read at full depth (the last entry's, the first's
-    or another's) stops generation with an error naming its position, greedy or sampled, rather
-    than a token chosen from them."""
+    or another's), at the prefill or in the decode loop, stops generation with an error naming its
+    position, greedy or sampled, rather than a token chosen from them."""
     vocab = tiny_model("ouro", 0).args.vocab_size
     for entry, value in ((vocab - 1, float("nan")), (0, float("inf")), (vocab // 3, -1e300)):
         model = tiny_model("ouro", 0)  # float64: -1e300 overflows the float32 logits to -inf
@@ -299,6 +299,19 @@ def test_logits_that_are_not_finite_are_refused():
         for method, kwargs in (("ar", {}), ("wfd", dict(temperature=1.0, top_k=5, seed=3))):
             with pytest.raises(ValueError, match="the logits for position 2 are not finite"):
                 wfd.generate(model, [1, 2], 5, method=method, **kwargs)
+    # in the decode loop: a NaN in the last logit of every read of the rows at position 4
+    model = tiny_model("ouro", 0)
+    c_body = model.c_body
+
+    def damaged(s, e, call, rows=None):
+        logits = c_body(s, e, call, rows)
+        logits[(call.pos if rows is None else call.pos[rows]) == 4, -1] = float("nan")
+        return logits
+
+    model.c_body = damaged
+    for method, kwargs in (("ar", {}), ("dtv", {}), ("wfd", dict(temperature=1.0, seed=3))):
+        with pytest.raises(ValueError, match="the logits for position 5 are not finite"):
+            wfd.generate(model, [1, 2], 8, method=method, **kwargs)
 
 
 # -- the command lines -----------------------------------------------------------------------------
