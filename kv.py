@@ -269,7 +269,8 @@ def block_attention(q, k, v, seen, need_lse, sums):
     out, which inductor fuses into one loop that reads every row's slot where it lies; eager and on
     CUDA, einsum and SDPA over the gathered block."""
     n, heads, hd = q.shape
-    v = hide(v, seen.keep)
+    # inductor vectorizes a select but not a bitcast: the same +0.0 where unseen, the same bits
+    v = torch.where(seen.visible[:, None, :, None], v, 0) if sums else hide(v, seen.keep)
     lse = None
     if need_lse or sums:
         acc = torch.promote_types(q.dtype, torch.float32)  # the sums' precision: at least float32
