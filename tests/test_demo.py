@@ -83,3 +83,6 @@ def test_run_py_method_all_and_the_wavefront_picture(capsys):
     assert header.split()[:2] == ["R", "call"] and header.split()[-1] == "24"
     cells = " ".join(rows)
     assert "1d" in cells and "4=" in cells  # drafts read at depth k=1, tokens committed at T=4
+    run.main(["--prompt", "import os", "--max-new-tokens", "12", "--draft-steps", "1",
+              "--second-depth", "2", "--show-wavefront"])
+    assert "  s  read again at the second depth m=2" in capsys.readouterr().out

@@ -20,6 +20,7 @@ import bench
 import models
 import run
 import wfd
+from cli import figures
 from formats import chat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,6 +78,7 @@ PROMPT_FILES = {  # name: content, each with one mistake (a line's named by its 
     "blank.txt": "\n  \n\n",
     "two.txt": "a\nb\n",
     "binary.txt": b"\x89PNG\r\n\x1a\n\x00\x00",
+    "no-points.json": json.dumps(dict(dict.fromkeys(figures.KEYS, ""), sweep="length", points=[])),
 }
 
 
@@ -190,6 +192,12 @@ CASES = [  # (script, arguments, what the one line says)
      "--paper runs the Spec-Bench questions through a checkpoint's"),
     (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
     (bench, ["--tokenizer", "tokenizer"], r"^error: --tokenizer: .*tokenizer\.json is not a"),
+    (bench, ["--questions", "two.txt", "--model", OURO_A],
+     r"--questions needs the model's tokenizer\.json"),
+    (bench, ["--questions", "two.txt"], r"two\.txt line 1 is not a Spec-Bench question"),
+    (bench, ["--plot-from", "two.txt", "--plot", "x.png"], r"two\.txt is not JSON"),
+    (bench, ["--plot-from", "no-points.json", "--plot", "x.png"],
+     r"no-points\.json holds no points of a sweep of acceptance"),
 ]
 
 

@@ -11,7 +11,7 @@ import models
 import run
 import wfd
 from runtime import sampling
-from test_wfd import CASES, GOLDEN, exact, quick, tiny_model
+from test_wfd import CASES, GOLDEN, exact, quick, tiny_config, tiny_model
 
 torch.set_num_threads(1)
 
@@ -285,6 +285,9 @@ def test_sampling_arguments_are_checked():
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             wfd.generate(model, [1, 2], 5, **kwargs)
+    # the initial state's seed, folded by the same seed_key, whose shifts never end on a negative
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, not -1"):
+        models.from_config(tiny_config("ouro", 0), seed=-1)
 
 
 def test_logits_that_are_not_finite_are_refused():
