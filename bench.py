@@ -44,9 +44,10 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
+import engine
 import models
 import wfd
-from cli import figures, plain
+from cli import figures
 from cli.answers import Answers
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
                       compiling_line, naming, one_line_errors, resolve_compile, set_threads)
@@ -54,11 +55,12 @@ from cli.output import finite, token_match
 from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
 from formats.checkpoints import load_tokenizer, read_json
-from runtime import checks, decoder, memory
+from engine import checks, model_runner
+from formats.devices import check_device
 
-# name: (wfd.generate method, kv, width, label, its exact reference: the run whose output it must
+# name: (generate's method, kv, width, label, its exact reference: the run whose output it must
 # equal). Width "wave" is ceil(T / k), "dtv" draft_len + 1 (README, "Exact in every precision");
-# plain AR, one row per call, is the speed baseline.
+# AR, one row per call, is the baseline of the speedups.
 METHODS = {
     "ar": ("ar", "full", 1, "AR", "ar"),
     "ar-wave": ("ar", "full", "wave", "AR, wavefront width", "ar-wave"),
@@ -70,9 +72,12 @@ METHODS = {
     # the second proposal (--second-depth): its width, and AR through the same calls
     "ar-2": ("ar", "full", "second", "AR, second-proposal width", "ar-2"),
     "wfd-2": ("wfd", "full", "second", "WFD, second proposal", "ar-2"),
-    # the baseline of a plain eager forward (cli/plain.py): one row per call, AR's tokens
-    "plain": ("ar", "full", 1, "plain forward", "ar"),
+    # the reference (wfd.py's loop, eager, greedy, one prompt): its AR is a plain forward, one row
+    # per call and one SDPA call per layer, the speed baseline; its tokens are AR's
+    "ref-ar": ("ar", "full", 1, "AR, the reference (wfd.py): a plain forward", "ar"),
+    "ref-wfd": ("wfd", "full", "wave", "WFD, the reference (wfd.py)", "ref-ar"),
 }
+REFERENCE = {"ref-ar", "ref-wfd"}  # decoded by wfd.py's loop, not the engine
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 COLUMNS = ["method", "width", "tok/s", "speedup", "decode speedup", "tokens/round", "acceptance",
            "rescues", "R calls/token", "KV MiB", "identical", "AR match"]
@@ -100,7 +105,7 @@ LEGEND = """\
 # -- one run ---------------------------------------------------------------------------------------
 
 def settings(name, args):
-    """wfd.generate's settings for one of METHODS."""
+    """engine.generate's settings for one of METHODS."""
     method, kv, width, _, _ = METHODS[name]
     return dict(method=method, kv=kv,
                 width=dict(wave=None, second=None, dtv=args.draft_len + 1).get(width, width),
@@ -161,29 +166,19 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
     """Decode one prompt with one method (ref: as draft_emulator's)."""
     hook, drafts = draft_emulator(model, prompt, name, args, ref)
     clock, times = CLOCKS[args.clock], []
-    if name == "plain":
-        return plain_run(model, prompt, args, max_new_tokens, clock)
-    start = clock()
-    out = wfd.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"],
-                       draft_hook=hook, on_token=lambda t: times.append(clock()),
-                       digest_logits=True, **settings(name, args))
+    start, on_token = clock(), lambda t: times.append(clock())
+    if name in REFERENCE:
+        s = settings(name, args)
+        out = wfd.generate(model, prompt["ids"], max_new_tokens, method=s["method"],
+                           num_steps=args.steps, draft_steps=args.draft_steps,
+                           eos_token_id=prompt["eos"], draft_hook=hook, on_token=on_token)
+        # what the engine's stats hold besides: its lanes (the reference has none), its digest
+        out.stats.update(width="–", rescued=0, graphs_compiled=0, logits_digest=None)
+    else:
+        out = engine.generate(model, prompt["ids"], max_new_tokens, eos_token_id=prompt["eos"],
+                              draft_hook=hook, on_token=on_token, digest_logits=True,
+                              **settings(name, args))
     return record(out, prompt, drafts, times, clock() - start)
-
-
-def plain_run(model, prompt, args, max_new_tokens, clock):
-    """One prompt through the plain eager forward (cli/plain.py), greedy, timed as run times."""
-    if args.temperature != 0 or args.batch_size is not None:
-        raise ValueError("the plain forward decodes greedily, one prompt at a time")
-    stop = checks.stop_ids(prompt["eos"], model.args.vocab_size)
-    times, start = [], clock()
-    tokens, kv_bytes = plain.generate(model, prompt["ids"], max_new_tokens, stop=stop,
-                               on_token=lambda t: times.append(clock()))
-    time_s = clock() - start
-    T, n = model.num_steps, len(tokens)
-    stats = dict(tokens=n, verified=0, accepted=0, rescued=0, rejected=0, graphs_compiled=0,
-                 r_calls=T * n, num_steps=T, r_calls_per_token=T, acceptance=float("nan"),
-                 width=1, kv_bytes=kv_bytes, logits_digest=None)
-    return record(wfd.Generation(tokens, stats), prompt, {}, times, time_s)
 
 
 def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=None):
@@ -207,11 +202,11 @@ def run_batch(model, prompts, name, args, max_new_tokens, refs=None, on_result=N
             on_result(i, recs[i])
 
     start = clock()
-    wfd.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop,
-                 batch_size=args.batch_size,
-                 draft_hook=lambda i, pos, token: hooks[i][0](pos, token),
-                 on_token=lambda i, token: times[i].append(clock()), on_finish=finish,
-                 digest_logits=True, **settings(name, args))
+    engine.generate(model, [p["ids"] for p in prompts], max_new_tokens, eos_token_id=stop,
+                    batch_size=args.batch_size,
+                    draft_hook=lambda i, pos, token: hooks[i][0](pos, token),
+                    on_token=lambda i, token: times[i].append(clock()), on_finish=finish,
+                    digest_logits=True, **settings(name, args))
     return recs
 
 
@@ -437,7 +432,7 @@ def calls_return_at_once(model, ticks):
     return outputs of the same shapes at once, so that what is left of a generation's time is the
     host's: the schedules, the Decoder, the transfers. ticks: a list that counts the R calls after
     the prefill (each appends one)."""
-    saved = decoder.start_body, model.r_body, decoder.read_body
+    saved = model_runner.start_body, model.r_body, model_runner.read_body
     outputs = {}
 
     def made(key, make):
@@ -459,11 +454,11 @@ def calls_return_at_once(model, ticks):
             s.new_zeros(n, model.args.vocab_size, dtype=torch.float32),
             torch.stack([s.new_zeros(n, dtype=torch.int64), s.new_ones(n, dtype=torch.int64)]
                         + [s.new_zeros(n, dtype=torch.int64)] * (lines - 2))))
-    decoder.start_body, model.r_body, decoder.read_body = start_body, r_body, read_body
+    model_runner.start_body, model.r_body, model_runner.read_body = start_body, r_body, read_body
     try:
         yield
     finally:
-        decoder.start_body, model.r_body, decoder.read_body = saved
+        model_runner.start_body, model.r_body, model_runner.read_body = saved
 
 
 def host_time(model, args, log):
@@ -480,9 +475,9 @@ def host_time(model, args, log):
             rng = random.Random(args.seed)
             hook = lambda i, pos, token: token if rng.random() < accept else (token + 1) % V
             ticks = []
-            run = lambda n: wfd.generate(model, prompts, n, method=method, batch_size=slots,
-                                         draft_hook=hook, num_steps=args.steps,
-                                         draft_steps=args.draft_steps, compile=False)
+            run = lambda n: engine.generate(model, prompts, n, method=method, batch_size=slots,
+                                            draft_hook=hook, num_steps=args.steps,
+                                            draft_steps=args.draft_steps, compile=False)
             with calls_return_at_once(model, ticks):
                 run(4)  # warm
                 del ticks[:]
@@ -528,8 +523,9 @@ def parse_args(argv=None):
                    help="random-id prompts, for models without a tokenizer")
     p.add_argument("--prompt-len", type=int, help="prompt length in tokens: of each random-id "
                    "prompt (default 16), or of each held-out stdlib prompt (default 48)")
-    p.add_argument("--methods", default="ar,dtv,wfd,wfd-shared", help=f"from {','.join(METHODS)}; "
-                   "AR always runs, and so does each method's exact reference (AR at its width)")
+    p.add_argument("--methods", help=f"from {','.join(METHODS)} (default: ar,dtv,wfd,wfd-shared, "
+                   "and ref-wfd where greedy and one prompt at a time, without --sweep); AR always "
+                   "runs, and so does each method's exact reference (AR at its width)")
     p.add_argument("--acceptance", type=float,
                    help="emulate draft acceptance A (seeded Bernoulli stream)")
     p.add_argument("--second-acceptance", type=float, metavar="B", help="with --acceptance and "
@@ -578,7 +574,7 @@ def parse_args(argv=None):
 
 def load_model(args, log):
     t0 = time.perf_counter()
-    memory.check_device(args.device)  # before the files: not a --model error
+    check_device(args.device)  # before the files: not a --model error
     with naming("--tokenizer", args.tokenizer):
         tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
     if args.random_weights:
@@ -674,6 +670,10 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
     todo = {n: [i for i, r in enumerate(known[n]) if r is None] for n in names}
     fresh = [n for n in names if todo[n]]
     check_batch_size(batch, prompts)  # the run's; a resumed one has fewer left, through fewer slots
+    own = [n for n in names if n in REFERENCE]
+    if own and (batch is not None or args.temperature != 0):
+        raise ValueError(f"{own[0]} runs wfd.py's loop, greedy and one prompt at a time: not with "
+                         "--batch-size or --temperature")
     for name in names:  # bad settings fail here, not after the reference runs
         checks.check_args(model,
                           prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
@@ -691,7 +691,7 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
         ref = reference(name) and reference(name)[i]
         plain = r["tokens"] if name == "ar" else results["ar"][i]["tokens"]
         same = ref is None or (r["tokens"] == ref["tokens"] and (  # plain: AR's tokens
-            name == "plain" or r["stats"]["logits_digest"] == ref["stats"]["logits_digest"]))
+            name in REFERENCE or r["stats"]["logits_digest"] == ref["stats"]["logits_digest"]))
         r.update(identical=same, ar_match=token_match(r["tokens"], plain), prompt=prompts[i])
         results[name][i] = r
         st = r["stats"]
@@ -728,19 +728,19 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
 
 
 def warm_up(model, prompts, names, args, log):
-    """Before the timed runs: compiled, every graph each method's runs can meet (wfd.compile_graphs:
-    every key-block bucket up to the capacity, at its width and batch), then a run of args.warmup
-    tokens of each method (one token, the prefill alone, is the same for every method: one run
-    touches all the weights). Returns the seconds each method's warm-up took."""
+    """Before the timed runs: compiled, every graph each method's runs can meet
+    (engine.compile_graphs: every key-block bucket up to the capacity, at its width and batch), then
+    a run of args.warmup tokens of each method (one token, the prefill alone, is the same for every
+    method: one run touches all the weights). Returns the seconds each method's warm-up took."""
     batch, tokens, seconds = args.batch_size, args.warmup, {}
     log(f"warm-up: {tokens} tokens, {', '.join(names if tokens > 1 else names[:1])}"
         + (" after compiling every graph of each" if args.compile else ""))
     for name in names:
         t0 = time.perf_counter()
-        if args.compile:
+        if args.compile and name not in REFERENCE:  # the reference runs eager
             ids = prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts]
-            graphs = wfd.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch,
-                                        digest_logits=True, **settings(name, args))
+            graphs = engine.compile_graphs(model, ids, args.max_new_tokens, batch_size=batch,
+                                           digest_logits=True, **settings(name, args))
             log(f"{name}: {compiling_line(graphs, time.perf_counter() - t0, model.device)}")
         if tokens > 1 or name == names[0]:
             if batch is None:
@@ -783,7 +783,7 @@ def print_costs(model, T, names, figs, results, args):
         print("\nR calls after the prefill, wall clock (the rest of the time: the prefill, C, P "
               "and the schedule): "
               + "; ".join(f"{METHODS[n][3]} {r_time(results[n])}" for n in names
-                          if n != "plain"))  # the plain forward times no call alone
+                          if n not in REFERENCE))  # the reference times no call alone
 
 
 def fewer_slots(results, args):
@@ -850,11 +850,12 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
               f"shares of the verifies accepted a={a:.3f} and rescued r={r:.3f} (an ideal speedup of "
               f"{T / calls:.2f}x); WFD-2 at {two['tok_s'] / ar['tok_s']:.2f}x AR; its branch "
               f"columns: {two['branch_kib']:.1f} KiB of its {two['kv_mib']:.1f} MiB of KV")
-    if "plain" in figs:
-        base = figs["plain"]["tok_s"]
-        print(f"\nThe plain forward (one SDPA call per layer, no lanes, cli/plain.py, eager), "
-              f"{base:.2f} tok/s: " + ", ".join(f"{METHODS[n][3]} {f['tok_s'] / base:.2f}x of it"
-                                                for n, f in figs.items() if n != "plain"))
+    if "ref-ar" in figs:
+        base = figs["ref-ar"]["tok_s"]
+        print(f"\nThe reference's AR (wfd.py's loop, eager: a plain forward, one row per call, one "
+              f"SDPA call per layer), {base:.2f} tok/s: " + ", ".join(
+                  f"{METHODS[n][3]} {f['tok_s'] / base:.2f}x of it" for n, f in figs.items()
+                  if n != "ref-ar"))
     if args.compile:
         graphs = sum(f["graphs"] for f in figs.values())
         print(f"\nGraphs compiled during the timed runs: {graphs}" + (
@@ -997,6 +998,9 @@ def main(argv=None):
         log(f"figure: {args.plot}")
         return None
     second = args.second_depth is not None or args.sweep == "second-depth"
+    if args.methods is None:  # the reference's rows beside the engine's, where it can run them
+        alone = args.temperature == 0 and args.batch_size is None and not args.sweep
+        args.methods = "ar,dtv,wfd,wfd-shared" + ",ref-wfd" * alone
     names = ([n.strip() for n in args.methods.split(",") if n.strip()]
              + (["wfd"] if args.sweep else []) + (["wfd-2"] if second else []))
     unknown = [n for n in names if n not in METHODS]

@@ -6,10 +6,11 @@ the training smoke run, sweeps, long subprocess runs), each a longer check of a 
 suite also checks.
 
 The tests' tiny models see a few dozen positions, fewer than one attention block of a real run
-(kv.BLOCK): with blocks of 8 keys every decoding test reads and merges several of them."""
+(engine/kv_cache.py's BLOCK): with blocks of 8 keys every decoding test reads and merges several of
+them."""
 import pytest
 
-import kv
+from engine import kv_cache
 
 
 def pytest_addoption(parser):
@@ -31,4 +32,4 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def small_kv_blocks(monkeypatch):
-    monkeypatch.setattr(kv, "BLOCK", 8)
+    monkeypatch.setattr(kv_cache, "BLOCK", 8)

@@ -19,8 +19,9 @@ in formats/, their transformer layer is layers/transformer.py):
     retrofits   blocks (no embedding scale)         C: lm_head(ln_f(coda(s))), the head untied
 
 e holds what a row's recurrences and read need of its token besides the state, made once by P and
-kept per lane by the decoder: Huginn's prelude output; Parcae's injection term and the token's
-value embeddings (tables looked up by token id that some blocks mix into v, in every recurrence).
+kept with the row's state (wfd.Loop; the engine's lanes): Huginn's prelude output; Parcae's
+injection term and the token's value embeddings (tables looked up by token id that some blocks mix
+into v, in every recurrence).
 
 A row is one token position at one depth (completed recurrences). Every recurrent layer applied at
 depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
@@ -35,10 +36,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from formats import checkpoints, configs
-from kv import Branches, KVCache, causal_attention
+from formats import checkpoints, configs, devices
+from kv import causal_attention
+from layers.noise import mix32, seed_key, truncated_normal
 from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_table
-from runtime import compiling, memory, sampling
 
 S0_STREAM = 0x85EBCA6B  # keeps the initial state's noise apart from sampling's for the same seed
 
@@ -104,25 +105,14 @@ class ModelArgs:
 
 
 class Call(NamedTuple):
-    """A P / R / C call's inputs besides the rows' data, on the device: the rows' positions (-1: an
-    idle lane) and depths, the KV cache (None: causal over 0..N-1) and the key blocks its attention
-    reads (kv.KVCache.span), whether it runs compiled, LoopFormer's clock: every block's
-    modulation at each depth of the schedule the rows follow (LoopedLM.clock_table), and with the
-    second proposal what its rows read of the branch columns (kv.Branches)."""
-    pos: torch.Tensor
-    depth: Optional[torch.Tensor]
-    cache: Optional[KVCache]
-    span: Optional[int]
-    compiled: bool = False
-    clock: Optional[torch.Tensor] = None
-    branches: Optional[Branches] = None
-    rows: Optional[list] = None  # eager: the rows as the host stages them (kv.KVCache.prepare)
-    busy: bool = False  # every lane holds a row, as the host knows: no idle lane's state to keep
-
-    def given(self, rows, branches=None):
-        """The call with the host's rows and its branches; busy when the rows fill every lane."""
-        return self._replace(rows=rows, branches=branches,
-                             busy=self.busy or rows is not None and len(rows) == len(self.pos))
+    """What a P / R / C call's bodies read besides the rows' data, on the model's device. The
+    engine's calls (engine/model_runner.py) carry these fields too, and more for its cache."""
+    pos: torch.Tensor                # [N] the rows' positions (-1: an idle lane of the engine's)
+    depth: Optional[torch.Tensor]    # [N] their depths (R); None in P and C, which run no looped
+                                     # layer
+    cache: object = None             # kv.KVCache (prepare, attend); None: causal over 0..N-1
+    clock: Optional[torch.Tensor] = None  # LoopFormer: the blocks' modulation per depth
+    busy: bool = True                # every lane holds a row: R keeps no idle lane's state
 
 
 class LoopedLM(nn.Module):
@@ -133,13 +123,13 @@ class LoopedLM(nn.Module):
         self.args, self.config = a, config or {}
         self.kind, self.num_steps = a.kind, a.num_steps
         self.state_init, self.seed = state_init, seed
-        self.s0_key = sampling.mix32(sampling.seed_key(seed) ^ S0_STREAM)  # initial_state's noise
+        self.s0_key = mix32(seed_key(seed) ^ S0_STREAM)  # initial_state's noise
         self.tokenizer = None
         # what load() reads beside the weights: tokenizer_config.json, chat template, stop ids
         self.tokenizer_config, self.chat_template = {}, None
         stop = checkpoints.stop_tokens(self.config, "config.json")
         self.eos_token_ids = stop if a.config_stop_ids else ()
-        self._compiled = {}  # function -> its compiled version (runtime.compiling.compiled)
+        self._compiled = {}  # function -> its compiled version (engine/compiling.py)
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # value embeddings: one table per mixing block, stacked into one [tables * V, kv width]
         ve_dim, ve_blocks = a.n_kv_heads * a.head_dim, a.value_embeds
@@ -182,47 +172,29 @@ class LoopedLM(nn.Module):
         return self.embed.weight.dtype
 
     # -- the three calls --------------------------------------------------------------------------
-    # pos: int64 [N], -1 for an idle lane: on the device with `top`, the furthest row's position
-    # known on the host (the Decoder's calls), else on the host (the prefill, the full forward).
-    # cache: a kv.KVCache, or None for a causal pass over 0..N-1; compiled: the body runs compiled.
+    # pos: int64 [N] on the model's device; depth: int64 [N], each row's, or an int for all (R);
+    # cache: a kv.KVCache, or None for a causal pass over 0..N-1. The bodies (p_body, r_body,
+    # c_body) hold the device work, which the engine calls with calls of its own (in lanes).
 
-    def P(self, ids, pos, cache=None, compiled=False, top=None):
-        """The rows' e and initial state s0 (e None where R reads no e: Ouro, LoopFormer).
-        (Compiled decoding compiles p_body with the rows' entry into their lanes:
-        runtime.decoder.start_body.)"""
-        return self.p_body(ids if top is not None else ids.to(self.device),
-                           self.to_device(pos, None, cache, compiled, top))
+    def P(self, ids, pos, cache=None):
+        """Start rows: their e and initial state s0 (e None where R reads no e: Ouro,
+        LoopFormer)."""
+        return self.p_body(ids, Call(pos, None, cache))
 
-    def R(self, s, e, pos, depth, cache=None, compiled=False, num_steps=None, top=None,
-          branches=None, rows=None):
-        """One recurrence for every row; idle lanes keep their state. depth: an int (all rows alike)
-        or an int64 tensor, per row. num_steps: the full depth T of the schedule the rows follow
-        (default: the cache's, else the model's), which LoopFormer's clock runs on. branches: what
-        the rows read of the branch columns (kv.Branches: the second proposal); rows: Call.rows."""
-        call = self.to_device(pos, depth, cache, compiled, top).given(rows, branches)
+    def R(self, s, e, pos, depth, cache=None, num_steps=None):
+        """One recurrence for every row, each at its own depth: the matmuls see a plain [N, D]
+        batch; only attention reads the depth (the row's KV slot). num_steps: the full depth T of
+        the schedule the rows follow (default: the cache's, else the model's), on which
+        LoopFormer's clock runs."""
+        clock = None
         if self.clock is not None:
-            T = num_steps or (self.num_steps if cache is None else cache.num_steps)
-            call = call._replace(clock=self.clock_table(T))
-        body = compiling.compiled(self, self.r_body) if compiled else self.r_body
-        return body(s, e, call)
+            clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))
+        return self.r_body(s, e, Call(pos, depth, cache, clock))
 
-    def C(self, s, e, pos, cache=None, rows=None, top=None):
-        """Logits (float32) for `rows` of the batch (default all). The coda runs on every row, since
-        it writes coda KV that later positions read. (Compiled decoding compiles c_body with the
-        choice of tokens: runtime.decoder.read_body.)"""
-        return self.c_body(s, e, self.to_device(pos, None, cache, top=top), rows)
-
-    def to_device(self, pos, depth, cache, compiled=False, top=None):
-        """A call's inputs as a Call on the device, its key blocks checked against the cache: with
-        `top`, pos and depth are on the device already; without, they are read (for the key
-        blocks and Call.busy) and copied there."""
-        if top is not None:
-            span = None if cache is None else cache.span(top, bucket=compiled)
-            return Call(pos, depth, cache, span, compiled)
-        at = pos.tolist()  # one read, not one per element
-        span = cache.span(max(at), prefill=at[0] == 0, bucket=compiled) if cache else None
-        move = lambda t: t.to(self.device) if torch.is_tensor(t) else t
-        return Call(move(pos), move(depth), cache, span, compiled, busy=min(at) >= 0)
+    def C(self, s, e, pos, cache=None):
+        """Logits (float32) of every row. The coda runs on every row, since it writes coda KV
+        that later positions read."""
+        return self.c_body(s, e, Call(pos, None, cache))
 
     def p_body(self, ids, call):
         """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
@@ -244,7 +216,7 @@ class LoopedLM(nn.Module):
         mod = None if call.clock is None else call.clock[call.depth]  # [(N,) L, 4D]
         x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
         x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
-        return x if call.busy else torch.where(call.pos[:, None] >= 0, x, s)
+        return x if call.busy else torch.where(call.pos[:, None] >= 0, x, s)  # idle lanes keep s
 
     def c_body(self, s, e, call, rows=None):
         a = self.args
@@ -285,9 +257,7 @@ class LoopedLM(nn.Module):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
         cos, sin = self.rope(call.pos)
         cache = call.cache
-        sums = call.compiled and compiling.sums_written_out(self.device)
-        step = None if cache is None else cache.prepare(call.pos, call.depth, call.span, sums,
-                                                        call.branches, call.rows)
+        step = None if cache is None else cache.prepare(call)
         for j, blk in enumerate(blocks):
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's
@@ -327,7 +297,7 @@ class LoopedLM(nn.Module):
         a = self.args
         if self.state_init == "zero":
             return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
-        z = sampling.truncated_normal(self.s0_key, pos.clamp(min=0), a.dim)
+        z = truncated_normal(self.s0_key, pos.clamp(min=0), a.dim)
         return (z * (a.init_std * a.embed_scale)).to(self.dtype)
 
     # -- full-sequence forward --------------------------------------------------------------------
@@ -337,10 +307,10 @@ class LoopedLM(nn.Module):
         """Logits [N, V] (float32) of the model run at depth T = `num_steps` over the sequence,
         no cache (LoopFormer's clock: T steps of 1/T, its elastic depth). Huginn and Parcae start
         from the model's initial state, or from `state` [N, D] if given."""
-        ids, context = torch.as_tensor(ids).reshape(-1), self.args.max_seq_len
+        ids, context = torch.as_tensor(ids).reshape(-1).to(self.device), self.args.max_seq_len
         if len(ids) > context:
             raise ValueError(f"{len(ids)} positions exceed the model's context of {context}")
-        pos = torch.arange(len(ids))
+        pos = torch.arange(len(ids), device=self.device)
         e, s = self.P(ids, pos)
         if state is not None:
             if not self.args.inject:
@@ -362,11 +332,11 @@ def from_config(config: dict, device="cpu", dtype=torch.float32, state_init="ran
     without, uninitialised memory that load() fills. The weights are refused before anything is
     allocated when they do not fit in the device's free memory. keys: the checkpoint's tensor
     names, where known (load)."""
-    memory.check_device(device)
+    devices.check_device(device)
     a = ModelArgs.from_config(config, keys)
     with torch.device("meta"):
         model = LoopedLM(a, config, state_init, seed)
-    memory.check_weights_fit(model, torch.device(device), dtype)
+    devices.check_weights_fit(model, torch.device(device), dtype)
     # every tensor allocated once, in its dtype on its device: float32 first and a cast after would
     # hold both (15 GB for Huginn in bfloat16). to_empty() gives every parameter its own storage,
     # so the tied head is untied before and tied after (else 0.7 GB for huginn-0125 in between)
@@ -394,7 +364,7 @@ def load(source, device="cpu", dtype=None, state_init="random", seed=0):
     """A checkpoint of any family from a folder or hub id (formats/checkpoints.py), read tensor by
     tensor into a model allocated once (a 3.5B model is never in memory twice), every name, shape
     and value checked. dtype defaults to the checkpoint's."""
-    memory.check_device(device)
+    devices.check_device(device)
     ckpt = checkpoints.Checkpoint(source)
     a = ModelArgs.from_config(ckpt.config, ckpt.weights.keys())
     model = from_config(ckpt.config, device, dtype or ckpt.dtype(a), state_init, seed,

@@ -13,14 +13,17 @@ import os
 import sys
 import time
 
+import engine
 import models
 import wfd
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
-                      compiling_line, naming, one_line_errors, resolve_compile, set_threads)
+                      compiling_line, naming, one_line_errors, refuse_engine_only,
+                      resolve_compile, set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
 from cli.prompts import default_eos, read_prompt, read_prompts
+from engine import checks
 from formats.checkpoints import load_tokenizer
-from runtime import checks, memory
+from formats.devices import check_device
 
 
 def parse_args(argv=None):
@@ -38,6 +41,9 @@ def parse_args(argv=None):
                    "together (default: every prompt); a finished sequence's slot takes the "
                    "next prompt")
     p.add_argument("--method", default="wfd", choices=["wfd", "ar", "dtv", "all"])
+    p.add_argument("--engine", default="engine", choices=["engine", "reference"],
+                   help="engine (default): engine/, exact and fast, every option; reference: "
+                   "wfd.py's plain loop, greedy, one prompt")
     p.add_argument("--width", type=int, help="rows per call (default: ceil(T / k) for wfd and ar, "
                    "draft-len + 1 for dtv); --method ar --width 1 is plain decoding")
     p.add_argument("--kv", default="full", choices=["full", "shared"],
@@ -63,16 +69,16 @@ def parse_args(argv=None):
 
 
 def compile_runs(model, prompts, runs, settings, args, batch_size=None):
-    """--compile: every graph the runs will meet compiled before they run (wfd.compile_graphs), at
-    one KV capacity, that of the longest prompt (prompts: one prompt, or a file's,
-    decoded together)."""
+    """--compile: every graph the runs will meet compiled before they run
+    (engine.compile_graphs), at one KV capacity, that of the longest prompt (prompts: one prompt,
+    or a file's, decoded together)."""
     longest = max(map(len, prompts)) if isinstance(prompts[0], list) else len(prompts)
     settings["capacity"] = longest + args.max_new_tokens - 1
     t0, graphs = time.perf_counter(), 0
     for _, method, width, second in runs:
-        graphs += wfd.compile_graphs(model, prompts, args.max_new_tokens, method=method,
-                                     width=width, batch_size=batch_size, second_depth=second,
-                                     digest_logits=len(runs) > 1, **settings)
+        graphs += engine.compile_graphs(model, prompts, args.max_new_tokens, method=method,
+                                        width=width, batch_size=batch_size, second_depth=second,
+                                        digest_logits=len(runs) > 1, **settings)
     print(compiling_line(graphs, time.perf_counter() - t0, model.device), file=sys.stderr)
 
 
@@ -104,9 +110,9 @@ def decode_file(args, model, method, width, settings):
                   flush=True)
 
     t0 = time.perf_counter()
-    outs = wfd.generate(model, prompts, args.max_new_tokens, method=method, width=width,
-                        eos_token_id=eos, batch_size=args.batch_size, on_finish=finish,
-                        second_depth=args.second_depth, **settings)
+    outs = engine.generate(model, prompts, args.max_new_tokens, method=method, width=width,
+                           eos_token_id=eos, batch_size=args.batch_size, on_finish=finish,
+                           second_depth=args.second_depth, **settings)
     wall, tokens = time.perf_counter() - t0, sum(len(out.tokens) for out in outs)
     if not args.json:
         print(f"[{method}] {len(prompts)} prompts through {slots} slots: {tokens} tokens in "
@@ -117,6 +123,9 @@ def decode_file(args, model, method, width, settings):
 def main(argv=None):
     args = parse_args(argv)
     check_at_least(args, threads=1, batch_size=1, seed=0)
+    if args.engine == "reference":
+        refuse_engine_only(args, "--width", "--batch-size", "--prompts-file", "--temperature",
+                           "--top-k", "--top-p", "--compile", "--second-depth", "--show-wavefront")
     resolve_compile(args)
     if args.batch_size is not None and args.prompts_file is None:
         raise ValueError("--batch-size needs --prompts-file: one prompt decodes alone")
@@ -126,7 +135,7 @@ def main(argv=None):
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with "
                                 "python train_demo.py")
-    memory.check_device(args.device)  # before the files: not a --model error
+    check_device(args.device)  # before the files: not a --model error
     with naming("--tokenizer", args.tokenizer):  # before the weights: it fails quicker
         tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
     with naming("--model", args.model):
@@ -147,6 +156,8 @@ def main(argv=None):
     if args.prompts_file is not None:
         return decode_file(args, model, args.method, args.width, settings)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
+    if args.engine == "reference":
+        return run_reference(args, model, prompt, eos)
     # (name, method, width, second depth); all: plain AR (the speed baseline), and each schedule
     # after AR at its width (and second depth), its exact reference
     m = args.second_depth
@@ -168,9 +179,9 @@ def main(argv=None):
         text = (TextStream(tok, prompt, checks.stop_ids(eos, model.args.vocab_size)) if stream
                 else None)
         trace = [] if args.show_wavefront and method == "wfd" else None
-        out = wfd.generate(model, prompt, args.max_new_tokens, method=method, width=width,
-                           eos_token_id=eos, on_token=text.add if text else None, trace=trace,
-                           digest_logits=len(runs) > 1, second_depth=second, **settings)
+        out = engine.generate(model, prompt, args.max_new_tokens, method=method, width=width,
+                              eos_token_id=eos, on_token=text.add if text else None, trace=trace,
+                              digest_logits=len(runs) > 1, second_depth=second, **settings)
         results[name] = out
         stats = out.stats
         if args.json:
@@ -199,6 +210,38 @@ def main(argv=None):
                   f"{r.stats['tokens_per_s'] / plain.stats['tokens_per_s']:.2f}x plain AR, "
                   f"{r.stats['r_calls_per_token']:.2f} R calls/token, {100 * match:.0f}% of plain "
                   "AR's tokens")
+
+
+def run_reference(args, model, prompt, eos):
+    """--engine reference: wfd.py's loop, greedy, one method after another; with --method all, AR
+    first, then whether the reference's WFD and DtV gave its AR's tokens."""
+    methods = ["ar", "wfd", "dtv"] if args.method == "all" else [args.method]
+    if args.kv == "shared":  # DtV cannot share KV exactly (run's note for the engine says why)
+        methods = [m for m in methods if m != "dtv"] or methods
+    settings = dict(num_steps=args.steps, draft_steps=args.draft_steps, draft_len=args.draft_len,
+                    eos_token_id=eos, kv=args.kv)
+    for method in methods:  # every input error out before the first line of output
+        checks.check_args(model, prompt, args.max_new_tokens, method=method, **settings)
+    tok, outs = model.tokenizer, {}
+    for method in methods:
+        stream = len(methods) == 1 and not args.json and tok is not None
+        stop = checks.stop_ids(eos, model.args.vocab_size)
+        text = TextStream(tok, prompt, stop) if stream else None
+        out = outs[method] = wfd.generate(model, prompt, args.max_new_tokens, method=method,
+                                          on_token=text and text.add, **settings)
+        if args.json:
+            print(json_line(f"reference {method}", prompt, out, tok))
+            continue
+        if text:
+            text.show()
+        else:
+            print(f"[reference {method}] {text_of(tok, out)}")
+        print(stats_line(f"reference {method}", out.stats))
+    if len(methods) > 1 and not args.json:
+        same = all(out.tokens == outs["ar"].tokens for out in outs.values())
+        print(f"reference: {' and '.join(dict(wfd='WFD', dtv='DtV')[m] for m in methods[1:])} gave "
+              "AR's tokens: "
+              + ("yes" if same else "NO"))
 
 
 if __name__ == "__main__":

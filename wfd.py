@@ -1,49 +1,37 @@
-"""Decoding of looped LMs: autoregressive (AR), draft-then-verify (DtV) and the wavefront (WFD),
-with or without its second proposal (wavefront_siblings).
+"""Wavefront decoding (WFD) of looped LMs, beside autoregressive decoding (AR) and draft-then-verify
+(DtV): the schedules, the bookkeeping they share, and a plain loop that runs them on the model.
 
-All of them give AR's tokens, greedy or sampled (runtime/sampling.py). They differ in how they
-schedule rows, a row being one token position at one depth, through the model's three calls P
-(start a row), R (advance rows by one recurrence) and C (read a token out of a row). A schedule is
-a generator over one Sequence that yields the calls it needs, and reads like the algorithm; decode
-runs every sequence's schedule, and runtime/decoder.py's Decoder turns their calls into the model's,
-in lanes of fixed shape, so that a row computes the same bits in every schedule.
+A looped LM (models.py) is driven through three calls: P starts a row (a token at a position, at
+depth 0), R takes rows one recurrence deeper, C reads a token out of a row. A row at depth d attends
+to the depth-d keys of the positions before it (kv.py), so rows at different positions and depths
+share one R call: the wavefront's batched call.
 
-One tick of the wavefront, in order: `wavefront` yields Advance (the Decoder's `advance`: a P call
-for the rows just started, then one R call over every row in flight), then Read (`read`: one C
-call, one transfer of its tokens); back in `wavefront`, Sequence.verify and commit, and the draft
-that starts the next row.
+A schedule is a generator over one Sequence. `yield Advance(rows)` asks for one R call over the
+rows; `out = yield Read(rows)` for one C call, out[i] being what rows[i]'s logits choose. It never
+touches the model: `generate` runs it through `Loop` (below), and the engine (engine/) runs the same
+schedules in lanes of fixed shape, compiled, batched and sampled, bit for bit like its own AR.
+
+Where the paper's points are: the draft, `Sequence.draft` (a token read at depth k starts the row
+after); the tick, `wavefront`; the verify and the correction, `Sequence.verify` and `wavefront`'s
+rejection branch; the sharing, kv.SharedKVCache.
 """
-import hashlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Generator, NamedTuple, Union
+from typing import Callable, NamedTuple
 
 import torch
-from torch._dynamo.utils import counters
 
-from kv import cache_bytes
-from runtime import checks, compiling
-from runtime.decoder import Decoder, Readout
-from runtime.sampling import seed_key
+from kv import KVCache, SharedKVCache
 
-
-# -- what a schedule works with --------------------------------------------------------------
 
 @dataclass(eq=False)
 class Row:
-    pos: int                 # the position this row computes (its token sits there)
+    """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
+    pos: int                 # the position it computes (its token sits there)
     token: int               # the token it reads in: committed, or a draft
-    depth: int = 0           # completed recurrences; the state itself lives in its lane
-    lane: int = None         # the lane that holds its state, given by its P call (Decoder.start)
-    # the second proposal (wavefront_siblings): the row it was proposed from, while that is in
-    # flight; the rows proposed from it; whether its token came from the read at the second
-    # depth; the branch column holding its keys when it is the second row at its position
-    # (runtime.decoder.BranchColumns; None: its position's own)
-    parent: "Row" = None
-    children: list = field(default_factory=list)
-    second: bool = False
-    branch: int = None
+    depth: int = 0           # recurrences done; the executor raises it with each R call
 
 
 class Advance(NamedTuple):
@@ -56,6 +44,12 @@ class Read(NamedTuple):
     rows: list
 
 
+class Readout(NamedTuple):
+    """What a C call read from a row."""
+    token: int               # the token its logits choose for the next position
+    logits: torch.Tensor     # those logits [V] (float32)
+
+
 @dataclass
 class Generation:
     tokens: list             # new tokens, the one from the prefill first, EOS included when hit
@@ -64,100 +58,47 @@ class Generation:
 
 
 class Sequence:
-    """One prompt in flight: its committed tokens, counters and schedule state, and the schedule's
-    verbs start / draft / verify / commit."""
+    """One prompt in flight: its committed tokens and counters, and the verbs of the schedules."""
 
-    def __init__(self, index, prompt, max_new_tokens, num_steps, *, key, stop, batched, width,
-                 draft_hook=None, on_token=None, trace=None, keep_logits=False,
-                 digest_logits=False):
-        self.index, self.prompt, self.max_new_tokens = index, prompt, max_new_tokens
-        self.num_steps, self.key, self.stop, self.batched = num_steps, key, stop, batched
-        self.width = width  # the rows in flight its lanes hold
-        self.draft_hook, self.on_token, self.trace = draft_hook, on_token, trace
-        # the last token is never fed back, so the cache holds positions up to the one before it
+    def __init__(self, prompt, max_new_tokens, num_steps, stop=frozenset(), draft_hook=None,
+                 on_token=None, keep_logits=False):
+        self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
+        self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
+        # the last token is never fed back, so no row computes a position past this one
         self.last_pos = len(prompt) + max_new_tokens - 2
-        self.tokens, self.logits = [], [] if keep_logits else None
-        self.digest = hashlib.blake2b(digest_size=16) if digest_logits else None  # committed rows'
+        self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
-        self.entry = None  # its latest trace entry
-        self.slot, self.t0 = None, None  # set by its prefill
-        # r_seconds: host time in its R calls after the prefill (bench.py); host_syncs: the
-        # blocking transfers after the prefill (reads of its C calls' tokens: one per tick at most).
-        # drafted: rows started from a read at the draft depth k; proposed: from the second depth
-        # m (wavefront_siblings). A verify ends one way: accepted (it keeps the draft), rescued (a
-        # second proposal) or rejected (neither); verified: the verifies that met a draft.
-        # acceptance = accepted / verified: of the drafts verified, those right (generate)
-        self.stats = dict(index=index, r_calls=0, rows=0, c_calls=0, drafted=0, proposed=0,
-                          verified=0, accepted=0, rescued=0, rejected=0, stop_token=None,
-                          r_seconds=0.0, host_syncs=0)
+        # drafted: rows started from a read at depth k; verified: verifies that met a draft, each
+        # accepted (the draft was AR's token) or rejected
+        self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, verified=0, accepted=0,
+                          rejected=0, stop_token=None)
 
-    def start(self, pos, token, parent=None, second=False):
-        """P: a new row at depth 0, made by the next call (before the R call that advances it);
-        parent: the row it is proposed from (wavefront_siblings); second: its token came from the
-        read at the second depth."""
-        row = Row(pos, token, parent=parent, second=second)
-        if second:
-            self.stats["proposed"] += 1
-            self.mark("proposed", parent)
-        if parent is not None:
-            parent.children.append(row)
+    def start(self, pos, token):
+        """A new row at depth 0; its P call runs just before the next R call."""
+        row = Row(pos, token)
         self.starting.append(row)
         return row
 
-    def mark(self, what, *rows):
-        """The trace's note of this tick: what happened to which rows (for draw_wavefront)."""
-        if self.entry is not None:
-            self.entry.setdefault(what, []).extend(id(r) for r in rows)
+    def draft(self, row, out):
+        """The draft: the token that `row`'s logits, read at a shallow depth, choose for the next
+        position. draft_hook(pos, token) may replace it (tests force wrong drafts so)."""
+        self.stats["drafted"] += 1
+        return self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
 
-    def draft(self, row, out: Readout, depth=None):
-        """The token read from `row` for the next position: at the draft depth, a draft that the
-        caller starts a row with; at the second depth (depth m), a second proposal's token (the
-        draft hook is told)."""
-        token = out.token
-        if self.draft_hook:
-            token = (self.draft_hook(row.pos + 1, token) if depth is None
-                     else self.draft_hook(row.pos + 1, token, depth=depth))
-        if depth is None:
-            self.stats["drafted"] += 1
-            self.mark("drafted", row)
-        return token
-
-    def verify(self, row, target: Readout):
-        """Is the draft that `row` reads in the token that the full-depth logits of the row
-        before it chose? Then `row` computes AR's row at its position and goes on; else it is
-        dropped."""
+    def verify(self, row, target):
+        """The verify: `row` was started from a draft; `target` is the full-depth read of the row
+        before it, whose token is AR's. Equal: `row` computes AR's row and goes on. Else it must be
+        dropped with every row built on it."""
         ok = row.token == target.token
         self.stats["verified"] += 1
         self.stats["accepted" if ok else "rejected"] += 1
-        self.mark("accepted" if ok else "rejected", row)
         return ok
 
-    def keep(self, parent, target: Readout):
-        """verify for a row with several children: the child that reads in the token of its
-        full-depth logits, or None. Kept: its draft (accepted), or a second proposal (rescued);
-        rejected when no child carries it."""
-        kept = next((c for c in parent.children if c.token == target.token), None)
-        if parent.children:
-            self.stats["verified"] += any(not c.second for c in parent.children)
-            how = "rejected" if kept is None else "rescued" if kept.second else "accepted"
-            self.stats[how] += 1
-            if kept is not None:
-                self.mark(how, kept)
-        self.mark("rejected", *[c for c in parent.children if c is not kept])
-        return kept
-
-    def commit(self, out: Readout):
-        """Append the token of full-depth logits; True when generation is over."""
-        if not out.finite:  # argmax would quietly pick token 0
-            where = f"prompt {self.index}: " if self.batched else ""
-            pos = len(self.prompt) + len(self.tokens)
-            raise ValueError(f"{where}the logits for position {pos} are not finite (fp16 overflow "
-                             "or damaged weights)")
+    def commit(self, out):
+        """Append a token read at full depth (AR's); True when generation is over."""
         self.tokens.append(out.token)
-        if self.logits is not None:  # a copy of the row: a view would keep the read's [lanes, V]
-            self.logits.append(out.logits[out.lane].clone())
-        if self.digest is not None:  # the row's hash, computed on the device (read_body)
-            self.digest.update(out.digest.to_bytes(8, "little"))
+        if self.logits is not None:
+            self.logits.append(out.logits)
         if self.on_token:
             self.on_token(out.token)
         if out.token in self.stop:
@@ -166,9 +107,9 @@ class Sequence:
         return len(self.tokens) >= self.max_new_tokens
 
 
-# -- the schedules ---------------------------------------------------------------------------
+# -- the schedules ---------------------------------------------------------------------------------
 
-def autoregressive(seq: Sequence):
+def autoregressive(seq):
     """P, T x R, C per token."""
     while True:
         row = seq.start(len(seq.prompt) + len(seq.tokens) - 1, seq.tokens[-1])
@@ -178,81 +119,42 @@ def autoregressive(seq: Sequence):
             return
 
 
-def wavefront(seq: Sequence, k: int):
-    """Rows in flight sit on a diagonal over (position, depth). Each tick is one R call over all of
-    them and one C call that verifies the oldest row (at depth T) and drafts from the newest (at
-    depth k). A draft starts a row at the next position right away, so one token commits every k
-    ticks while drafts are accepted; a rejected draft drops every row after it."""
+def wavefront(seq, k):
+    """The tick: one R call over every row in flight, then one C call that verifies the oldest row
+    (at depth T) and drafts from the newest (at depth k). A draft starts a row at the next position
+    at once, so the rows in flight sit on a diagonal over (position, depth), ceil(T / k) of them,
+    and a token commits every k ticks while drafts are accepted."""
     T = seq.num_steps
-    rows = [seq.start(len(seq.prompt), seq.tokens[-1])]
+    rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
-        yield Advance(rows)
+        yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == T
+        # with k = T the one row reaches k and T together: it is verified, not drafted from (else
+        # the restart below and a draft would both start pos + 1); the row at last_pos drafts
+        # nothing: a row at last_pos + 1 would compute a token past max_new_tokens
         drafting = (newest.depth == k and not (verifying and newest is oldest)
                     and newest.pos < seq.last_pos)
+        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1]); the
+        # order is indexing only: the two rows write their own coda columns
         reading = [oldest] * verifying + [newest] * drafting
         out = (yield Read(reading)) if reading else []
         if verifying:
             target = out[0]
             rows.pop(0)
             if rows and not seq.verify(rows[0], target):
-                rows, drafting = [], False   # the draft and everything built on it
+                # the correction: the wrong draft and every row after it are dropped (their KV
+                # lies past every reader: kv.py), and the row restarts below with AR's token
+                rows, drafting = [], False
             if seq.commit(target):
                 return
-            if not rows:
+            if not rows:  # rejected, or no draft was made (k = T): the next position, depth 0
                 rows.append(seq.start(oldest.pos + 1, seq.tokens[-1]))
         if drafting:
             rows.append(seq.start(newest.pos + 1, seq.draft(newest, out[-1])))
 
 
-def wavefront_siblings(seq: Sequence, k: int, m: int):
-    """The wavefront with a second proposal: every row is read at the draft depth k, its draft
-    starting its first child at the next position, as in wavefront, and again at the second depth m
-    (k < m < T): where that token differs from the first child's, a sibling starts at the same
-    position with it. The rows in flight form a tree under the oldest; when the oldest reaches
-    depth T, its full-depth token keeps the child that carries it, the draft or its sibling (a
-    rescue), and drops the other with every row built on it; with neither, the position starts
-    again. A row starts only while the lanes hold it (seq.width), drafts before siblings."""
-    T, prompt = seq.num_steps, len(seq.prompt)
-    oldest = seq.start(prompt, seq.tokens[-1])
-    rows = [oldest]  # in flight, each after its parent
-
-    def drop(row):
-        rows.remove(row)
-        for child in row.children:
-            drop(child)
-
-    while True:
-        yield Advance(rows)
-        verifying = oldest.depth == T
-        drafting = [r for r in rows if r.depth == k and r.pos < seq.last_pos]
-        proposing = [r for r in rows if r.depth == m and r.pos < seq.last_pos]
-        reading = [oldest] * verifying + drafting + proposing
-        out = dict(zip(reading, (yield Read(reading)))) if reading else {}
-        if verifying:
-            rows.remove(oldest)
-            kept = seq.keep(oldest, out[oldest])
-            for child in oldest.children:
-                if child is not kept:
-                    drop(child)
-            if seq.commit(out[oldest]):
-                return
-            oldest = kept or seq.start(oldest.pos + 1, seq.tokens[-1])
-            oldest.parent = None
-            if not kept:
-                rows.append(oldest)
-        for r in drafting:
-            if r in rows and len(rows) < seq.width:
-                rows.append(seq.start(r.pos + 1, seq.draft(r, out[r]), parent=r))
-        for r in proposing:
-            if r in rows and len(rows) < seq.width:
-                token = seq.draft(r, out[r], depth=m)
-                if token not in [c.token for c in r.children]:
-                    rows.append(seq.start(r.pos + 1, token, parent=r, second=True))
-
-
-def draft_then_verify(seq: Sequence, k: int, draft_len: int):
+def draft_then_verify(seq, k, draft_len):
     """Phase-separated rounds: draft up to draft_len tokens one after another from depth k, bring
     all the round's rows from depth k to T together, keep the longest verified prefix plus the
     full-depth token after it (a correction, or a bonus when every draft matched)."""
@@ -276,146 +178,123 @@ def draft_then_verify(seq: Sequence, k: int, draft_len: int):
                 break
 
 
-@dataclass
-class Running:
-    """A sequence in its slot: its schedule, and the call the schedule waits for."""
-    seq: Sequence
-    schedule: Generator
-    waits: Union[Advance, Read] = None
+# -- a plain loop that runs them -------------------------------------------------------------------
+
+class Loop:
+    """Runs one sequence's schedule on the model, call by call: each row's state (s, and e, what P
+    made for it), the KV cache, greedy reads."""
+
+    def __init__(self, model, cache):
+        # row -> (s, e), for as long as the schedule holds the row
+        self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
+
+    def tensor(self, values):
+        return torch.tensor(values, device=self.model.device)
+
+    def prefill(self, seq):
+        """The prompt at full depth, every position in each call; commits the first new token."""
+        n = len(seq.prompt)
+        pos = self.tensor(range(n))
+        e, s = self.model.P(self.tensor(seq.prompt), pos, self.cache)
+        for d in range(seq.num_steps):
+            s = self.model.R(s, e, pos, d, self.cache)
+        seq.stats["r_calls"] += seq.num_steps
+        seq.stats["rows"] += n * seq.num_steps
+        seq.stats["c_calls"] += 1
+        logits = self.model.C(s, e, pos, self.cache)[-1]
+        return seq.commit(Readout(int(logits.argmax()), logits))
+
+    def advance(self, seq, rows):
+        """P for the rows the schedule started, then one R call over `rows`, each at its own depth,
+        their states stacked into one batch; each row's depth goes up by one."""
+        if seq.starting:
+            e, s = self.model.P(self.tensor([r.token for r in seq.starting]),
+                                self.tensor([r.pos for r in seq.starting]), self.cache)
+            for i, row in enumerate(seq.starting):
+                self.state[row] = (s[i], None if e is None else e[i])
+            seq.starting = []
+        s, e = self.stacked(rows)
+        s = self.model.R(s, e, self.tensor([r.pos for r in rows]),
+                         self.tensor([r.depth for r in rows]), self.cache)
+        for i, row in enumerate(rows):
+            self.state[row] = (s[i], self.state[row][1])
+            row.depth += 1
+        seq.stats["r_calls"] += 1
+        seq.stats["rows"] += len(rows)
+
+    def read(self, seq, rows):
+        """One C call over `rows`: each row's logits and their greedy token."""
+        s, e = self.stacked(rows)
+        logits = self.model.C(s, e, self.tensor([r.pos for r in rows]), self.cache)
+        seq.stats["c_calls"] += 1
+        return [Readout(int(x.argmax()), x) for x in logits]
+
+    def stacked(self, rows):
+        s, e = zip(*(self.state[r] for r in rows))
+        return torch.stack(s), None if e[0] is None else torch.stack(e)
+
+    def run(self, seq, schedule):
+        """The schedule's calls, one after another, until it returns."""
+        call = next(schedule)
+        while True:
+            out = (self.advance if isinstance(call, Advance) else self.read)(seq, call.rows)
+            try:
+                call = schedule.send(out)
+            except StopIteration:
+                return
 
 
-def decode(dec: Decoder, queues, schedule, on_finish):
-    """Every sequence through `schedule`, slot b taking queues[b]'s prompts one after another
-    (refill). A turn runs one R call over the sequences that wait for one, then one C call over
-    those that wait to read; a sequence that finishes frees its slot for the next prompt at once."""
-    running = {}  # slot -> Running
-
-    def admit(slot):
-        while queues[slot]:
-            seq = queues[slot].pop(0)
-            if dec.prefill(seq, slot):  # done at its first token
-                on_finish(seq)
-                continue
-            run = running[slot] = Running(seq, schedule(seq))
-            run.waits = next(run.schedule)
-            return
-
-    def resume(run, out):
-        """The call's result back to the schedule, which then waits for its next call or is done."""
-        try:
-            run.waits = run.schedule.send(out)
-        except StopIteration:
-            del running[run.seq.slot]
-            on_finish(run.seq)
-            admit(run.seq.slot)
-
-    for slot in range(len(queues)):
-        admit(slot)
-    while running:
-        advancing = [run for run in running.values() if isinstance(run.waits, Advance)]
-        if advancing:
-            dec.advance(advancing)
-            for run in advancing:
-                resume(run, None)
-        reading = [run for run in running.values() if isinstance(run.waits, Read)]
-        if reading:
-            for run, out in zip(reading, dec.read(reading)):
-                resume(run, out)
-
-
-# -- the API ---------------------------------------------------------------------------------
-
-def compile_graphs(model, prompt_ids, max_new_tokens, **settings):
-    """Compile every graph that generate(model, prompt_ids, max_new_tokens, compile=True,
-    **settings) can meet (runtime.compiling.warm_up), so that a timed generation compiles none;
-    settings: generate's, the callbacks aside. Returns the graphs compiled (0: they all existed)."""
-    digest = settings.pop("digest_logits", False)
-    p = checks.plan(model, prompt_ids, max_new_tokens, **dict(settings, compile=True))
-    graphs = counters["stats"]["unique_graphs"]
-    with torch.no_grad():
-        compiling.warm_up(Decoder(model, p.slots, p.capacity, num_steps=p.num_steps, width=p.width,
-                                  window=p.window, sampling=p.sampling, compile=True,
-                                  digest=digest,
-                                  branching=settings.get("second_depth") is not None))
-    return counters["stats"]["unique_graphs"] - graphs
+def default_draft_steps(model, num_steps=None):
+    """The draft depth k the checkpoint recommends for its own T (the demo has one), else the
+    paper's max(1, T // 8)."""
+    if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
+        return model.config["wfd_draft_steps"]
+    return max(1, (num_steps or model.num_steps) // 8)
 
 
 def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None, draft_steps=None,
-             draft_len=4, width=None, capacity=None, eos_token_id=None, kv="full", window=None,
-             temperature=0.0, top_k=None, top_p=None, seed=0, batch_size=None,
-             draft_hook: Callable[..., int] = None, on_token: Callable = None,
-             on_finish: Callable = None, trace: list = None, keep_logits=False, digest_logits=False,
-             compile=False, second_depth=None):
-    """Greedy or sampled decoding of one prompt, returning Generation(tokens, stats, logits), or of
-    a list of prompts (docs/batching.md: batch_size slots, one per prompt by default, refilled as
-    they finish), returning one Generation per prompt, in order.
-
-    T = num_steps, k = draft_steps, width: rows per R / C call (docs/exactness.md); capacity: the
-    KV positions per sequence; eos_token_id: an id or a collection of them (stats["stop_token"]
-    says which ended it); kv="shared" and window: docs/shared-kv.md; temperature, top_k, top_p,
-    seed (a list of them for several prompts): docs/sampling.md. draft_hook(pos, token) -> token may
-    replace each draft (the output must not change); on_token(token) as each token commits (both
-    take the prompt's index first when there are several); on_finish(i, generation) as prompt i
-    finishes. trace: a list that receives one dict per R call. keep_logits: the committed logits in
-    Generation.logits; digest_logits: a digest of their bits, hashed on the device, in
-    stats["logits_digest"] (equal digests: bit-equal logits, but for a chance of about 2^-32).
-    compile: docs/compiling.md; stats["graphs_compiled"] counts the graphs made during the
-    generation (none after compile_graphs), stats["cuda_graphs_rerecorded"] and
-    ["cuda_graphs_skipped"] the CUDA graphs re-recorded and skipped (none).
-
-    second_depth m (k < m < T): the wavefront's second proposal (wavefront_siblings,
-    docs/siblings.md); draft_hook(pos, token, depth=m) is then called for the second proposals too.
-    With method "ar" it runs AR through the same calls (branch columns and all), the reference of
-    the second proposal at its width."""
-    p = checks.plan(model, prompt_ids, max_new_tokens, method=method, num_steps=num_steps,
-                    draft_steps=draft_steps, draft_len=draft_len, width=width, capacity=capacity,
-                    eos_token_id=eos_token_id, kv=kv, window=window, temperature=temperature,
-                    top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size, compile=compile,
-                    second_depth=second_depth)
-    T, k, m = p.num_steps, p.draft_steps, second_depth
-    schedule = dict(ar=autoregressive,
-                    wfd=partial(wavefront, k=k) if m is None else partial(wavefront_siblings, k=k,
-                                                                            m=m),
+             draft_len=4, eos_token_id=None, kv="full", window=None,
+             draft_hook: Callable[[int, int], int] = None, on_token: Callable[[int], None] = None,
+             keep_logits=False):
+    """Greedy decoding of one prompt (a list of token ids) by `method`, returning
+    Generation(tokens, stats, logits). T = num_steps (default: the model's), k = draft_steps;
+    eos_token_id: an id or a collection of them; kv="shared" with `window` (default ceil(T / k)):
+    kv.SharedKVCache. Every method gives AR's tokens (with kv="shared", those of AR under the same
+    sharing): tested in float64 and float32; in a narrower dtype a call of other rows may round a
+    near tie otherwise (the engine's lanes are what make every dtype exact). draft_hook(pos,
+    token) -> token may replace each draft (the tokens must not change); on_token(token) as each
+    token commits. engine.generate takes these options and more."""
+    T = num_steps or model.num_steps
+    k = draft_steps or default_draft_steps(model, num_steps)
+    wave = -(-T // k)  # the wavefront's rows in flight
+    window = window or wave
+    if method not in ("ar", "wfd", "dtv"):
+        raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
+    if not 1 <= k <= T:
+        raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T}")
+    if kv not in ("full", "shared"):
+        raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
+    if kv == "shared" and (method == "dtv" or method == "wfd" and window < wave):
+        raise ValueError("kv='shared' is exact for AR, and for WFD with a window of at least "
+                         f"ceil(T / k) = {wave} positions")
+    prompt = list(prompt_ids)
+    if not prompt or max_new_tokens < 1:
+        raise ValueError("give a prompt of at least one token and max_new_tokens >= 1")
+    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    seq = Sequence(prompt, max_new_tokens, T, stop, draft_hook, on_token, keep_logits)
+    capacity = len(prompt) + max_new_tokens - 1
+    cache = (KVCache(model, capacity, T) if kv == "full"
+             else SharedKVCache(model, capacity, T, window, len(prompt)))
+    schedule = dict(ar=autoregressive, wfd=partial(wavefront, k=k),
                     dtv=partial(draft_then_verify, k=k, draft_len=draft_len))[method]
-    own = (lambda f, i: f and partial(f, i)) if p.batched else (lambda f, i: f)  # prompt i's
-    cuda = model.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(model.device)
-    dec = Decoder(model, p.slots, p.capacity, num_steps=T, width=p.width, window=p.window,
-                  sampling=p.sampling, compile=compile, digest=digest_logits,
-                  branching=m is not None)
-    settings = dict(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
-                    window=p.window, width=p.width, batch_size=p.slots, temperature=temperature,
-                    top_k=top_k, top_p=top_p, compiled=compile, eos_token_ids=sorted(p.stop),
-                    kv_bytes=dec.cache.nbytes, second_depth=m,
-                    branch_kv_bytes=dec.cache.nbytes - cache_bytes(model, p.capacity, T, p.window,
-                                                                   p.slots))
-    graphs, generations = counters["stats"]["unique_graphs"], [None] * len(p.prompts)
-    cuda_graphs = compiling.cuda_graph_counts(model.device)
-
-    def finish(seq):
-        """A sequence's Generation as it finishes (graphs and peak memory: the counts so far)."""
-        stats, n, wall = seq.stats, len(seq.tokens), time.perf_counter() - seq.t0
-        verified = stats["verified"]
-        stats.update(settings, tokens=n, r_calls_per_token=stats["r_calls"] / n, wall_s=wall,
-                     acceptance=stats["accepted"] / verified if verified else float("nan"),
-                     tokens_per_s=n / wall, slot=seq.slot, seed=p.seeds[seq.index],
-                     graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
-                     **dict(zip(("cuda_graphs_rerecorded", "cuda_graphs_skipped"), (
-                         now - before for now, before in zip(
-                             compiling.cuda_graph_counts(model.device), cuda_graphs)))),
-                     peak_memory_bytes=torch.cuda.max_memory_allocated(model.device) if cuda
-                     else None,
-                     logits_digest=seq.digest and seq.digest.hexdigest())
-        generations[seq.index] = Generation(seq.tokens, stats, seq.logits)
-        if on_finish:
-            on_finish(seq.index, generations[seq.index])
-
+    loop, t0 = Loop(model, cache), time.perf_counter()
     with torch.no_grad():
-        seqs = [Sequence(i, prompt, p.max_new_tokens, T, key=seed_key(p.seeds[i]), stop=p.stop,
-                         batched=p.batched, width=p.width, draft_hook=own(draft_hook, i),
-                         on_token=own(on_token, i), trace=trace, keep_logits=keep_logits,
-                         digest_logits=digest_logits)
-                for i, prompt in enumerate(p.prompts)]
-        decode(dec, [seqs[b::p.slots] for b in range(p.slots)], schedule, finish)
-    return generations if p.batched else generations[0]
+        if not loop.prefill(seq):
+            loop.run(seq, schedule(seq))
+    verified, n, wall = seq.stats["verified"], len(seq.tokens), time.perf_counter() - t0
+    seq.stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
+                     window=window if kv == "shared" else None, kv_bytes=cache.k.nbytes * 2,
+                     tokens=n, r_calls_per_token=seq.stats["r_calls"] / n, wall_s=wall,
+                     tokens_per_s=n / wall,
+                     acceptance=seq.stats["accepted"] / verified if verified else float("nan"))
+    return Generation(seq.tokens, seq.stats, seq.logits)

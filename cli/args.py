@@ -59,7 +59,7 @@ def one_line_errors(main):
     return wrapped
 
 
-# generate()'s parameters as the flags that set them: its checks (runtime/checks.py) name the
+# generate()'s parameters as the flags that set them: its checks (engine/checks.py) name the
 # parameter, the command line the flag the user typed
 FLAGS = [(r"\bmax_new_tokens\b", "--max-new-tokens"), (r"\bnum_steps\b", "--steps"),
          (r"\bdraft_len\b", "--draft-len"), (r"\bsecond_depth\b", "--second-depth"),
@@ -128,6 +128,16 @@ def check_at_least(args, **least):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {value}")
+
+
+def refuse_engine_only(args, *flags):
+    """--engine reference runs wfd.py's loop, greedy and one prompt at a time: each of these flags,
+    given (not at its default), is the engine's alone."""
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value not in (None, False, 0):
+            raise ValueError(f"{flag} is the engine's: --engine reference runs wfd.py's plain "
+                             "loop (greedy, one prompt); leave --engine at its default")
 
 
 def add_decoding_args(p, seed_help, dtype_help, compile_help):

@@ -52,14 +52,15 @@ def token_match(tokens, reference):
 def stats_line(method, stats):
     acceptance = "-" if math.isnan(stats["acceptance"]) else f"{stats['acceptance']:.2f}"
     kv = f" (shared, window {stats['window']})" if stats["kv"] == "shared" else ""
-    peak = ("" if stats["peak_memory_bytes"] is None
+    peak = ("" if stats.get("peak_memory_bytes") is None  # the engine's on CUDA
             else f", peak memory {stats['peak_memory_bytes'] / 2**30:.2f} GiB")
+    width = f" width {stats['width']}" if "width" in stats else ""  # the engine's lanes
     stop = "" if stats["stop_token"] is None else f", stopped at token {stats['stop_token']}"
     second = ("" if stats.get("second_depth") is None else
               f", second depth m={stats['second_depth']}: {stats['rescued']} rescues")
     return (f"[{method}] {stats['tokens']} tokens, {stats['r_calls']} R calls "
             f"({stats['r_calls_per_token']:.2f}/token), T={stats['num_steps']} "
-            f"k={stats['draft_steps']} width {stats['width']}, acceptance {acceptance}{second}, "
+            f"k={stats['draft_steps']}{width}, acceptance {acceptance}{second}, "
             f"{stats['tokens_per_s']:.1f} tok/s, KV "
             f"{stats['kv_bytes'] / 2**20:.1f} MiB{kv}{peak}{stop}")
 

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 # the project's modules
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
-import wfd  # noqa: E402
+import engine  # noqa: E402
 from cli.args import set_threads  # noqa: E402
 from data.stdlib import library_split  # noqa: E402
 
@@ -185,7 +185,8 @@ def evaluate(args):
     prompts, sources = [t[:PROMPT_LEN] for t in texts], [t[PROMPT_LEN:] for t in texts]
     set_threads(model)  # as run.py decodes it
     eos = model.config.get("eos_token_id")
-    ar = [wfd.generate(model, p, args.new_tokens, method="ar", eos_token_id=eos) for p in prompts]
+    ar = [engine.generate(model, p, args.new_tokens, method="ar", eos_token_id=eos)
+          for p in prompts]
     shares = [distinct_4grams(g.tokens) for g in ar]
     print(f"\ngreedy continuations of {len(prompts)} held-out prompts, {args.new_tokens} new "
           f"tokens: share of distinct token 4-grams: mean {statistics.mean(shares):.2f}, min "
@@ -208,8 +209,8 @@ def evaluate(args):
             best = {"ar": math.inf, "wfd": math.inf}
             for _ in range(args.repeats):  # interleaved, so that a busy spell hits both alike
                 for method in ("ar", "wfd"):
-                    g = wfd.generate(model, p, args.new_tokens, method=method, draft_steps=k,
-                                     eos_token_id=eos)
+                    g = engine.generate(model, p, args.new_tokens, method=method,
+                                        draft_steps=k, eos_token_id=eos)
                     best[method] = min(best[method], g.stats["wall_s"])
                     same &= g.tokens == ref.tokens
             speedups.append(best["ar"] / best["wfd"])

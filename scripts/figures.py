@@ -32,7 +32,7 @@ PAGES = ["README.md"] + [os.path.join("docs", n) for n in sorted(os.listdir(os.p
 BASE = "python bench.py --clock cpu --threads 1 --out ''"
 # name: bench.py's flags after BASE; the time each took here is in its JSON ("seconds")
 RUNS = {
-    "demo": "--methods plain,ar,dtv,wfd,wfd-shared",
+    "demo": "--methods ref-ar,ref-wfd,ar,dtv,wfd,wfd-shared",
     "demo-second": "--draft-steps 1 --second-depth 2 --methods wfd",
     "demo-compiled": "--methods ar,wfd --compile",
     "ouro-2.6b": "--random-weights configs/ouro-2.6b.json --dtype bfloat16 --acceptance 0.92 "
@@ -51,7 +51,9 @@ HUGINN = ("huginn-0125 config (3.5B), random weights, bfloat16, emulated accepta
 TABLES = {
     "readme": (["tok/s", "speedup", "R calls/token", "acceptance", "rescues"], [
         ("demo", DEMO + ", k=2, eager",
-         [("plain", "plain forward (one SDPA call per layer, no lanes: the speed baseline)"),
+         [("ref-ar", "the reference's AR (wfd.py: a plain forward, one SDPA call per layer, "
+                     "no lanes: the speed baseline)"),
+          ("ref-wfd", "the reference's WFD (k=2)"),
           ("ar", "AR"), ("dtv", "DtV (draft length 4)"), ("wfd", "WFD (k=2)"),
           ("wfd-shared", "WFD, shared KV (this project's exact rule, not the paper's)")]),
         ("demo-second", "the same, `--draft-steps 1 --second-depth 2`",

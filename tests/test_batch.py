@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-import kv
-import wfd
-from runtime import memory
-from test_wfd import quick, same_logits, tiny_model
+import engine
+from engine import kv_cache
+from formats import devices
+from test_engine import quick, same_logits, tiny_model
 
 torch.set_num_threads(1)
 
@@ -21,7 +21,7 @@ def prompts_for(model, n, seed, longest=9):
 
 
 def batched(model, prompts, n_new, **kw):
-    return wfd.generate(model, prompts, n_new, keep_logits=True, **kw)
+    return engine.generate(model, prompts, n_new, keep_logits=True, **kw)
 
 
 def check_against_batched_ar(model, prompts, n_new, method, k, **kw):
@@ -77,7 +77,7 @@ def test_batched_wfd_and_dtv_equal_batched_ar_at_every_draft_depth(kind, seed, d
     # rounding too small to flip a token: each prompt's own AR's tokens too
     if dtype == torch.float64:
         for prompt, out in zip(prompts, plain):
-            assert wfd.generate(model, prompt, 12, method="ar", width=1).tokens == out.tokens
+            assert engine.generate(model, prompt, 12, method="ar", width=1).tokens == out.tokens
 
 
 def test_twelve_prompts_through_four_slots_refill_exactly():
@@ -95,7 +95,7 @@ def test_twelve_prompts_through_four_slots_refill_exactly():
         assert all(o.stats["batch_size"] == 4 for o in outs)
         if dtype == torch.float64:
             for prompt, out in zip(prompts, outs):
-                assert wfd.generate(model, prompt, 20, method="ar", width=1,
+                assert engine.generate(model, prompt, 20, method="ar", width=1,
                                     eos_token_id=eos).tokens == out.tokens
 
 
@@ -108,7 +108,7 @@ def test_batched_sampling_with_a_seed_per_prompt(dtype):
     outs = check_against_batched_ar(model, prompts, 14, "wfd", 1, batch_size=3, **sampling)
     if dtype == torch.float64:  # each prompt as if alone, with its own seed
         for prompt, out, seed in zip(prompts, outs, sampling["seed"]):
-            alone = wfd.generate(model, prompt, 14, method="ar", width=1,
+            alone = engine.generate(model, prompt, 14, method="ar", width=1,
                                  **dict(sampling, seed=seed))
             assert alone.tokens == out.tokens
 
@@ -128,8 +128,8 @@ def test_one_prompt_in_a_list_is_the_single_prompt_generation():
     """A list of one prompt runs the same calls as the prompt alone: the same bits."""
     model = tiny_model("huginn", 0, torch.bfloat16)
     prompt = prompts_for(model, 1, 0)[0]
-    alone = wfd.generate(model, prompt, 12, keep_logits=True)
-    (listed,) = wfd.generate(model, [prompt], 12, keep_logits=True)
+    alone = engine.generate(model, prompt, 12, keep_logits=True)
+    (listed,) = engine.generate(model, [prompt], 12, keep_logits=True)
     assert same_logits(alone, listed)
 
 
@@ -137,7 +137,7 @@ def test_batched_callbacks_take_the_prompts_index():
     model = tiny_model("ouro", 0)
     prompts = prompts_for(model, 3, 1)
     tokens, trace = {0: [], 1: [], 2: []}, []
-    outs = wfd.generate(model, prompts, 6, batch_size=2, on_token=lambda i, t: tokens[i].append(t),
+    outs = engine.generate(model, prompts, 6, batch_size=2, on_token=lambda i, t: tokens[i].append(t),
                         trace=trace)
     assert [tokens[i] for i in range(3)] == [o.tokens for o in outs]
     assert {e["index"] for e in trace} == {0, 1, 2}
@@ -160,11 +160,11 @@ def test_batched_bad_input_names_the_prompt(monkeypatch):
     ]:
         with pytest.raises((ValueError, TypeError),
                            match=message.replace("(", r"\(").replace(")", r"\)")):
-            wfd.generate(model, prompts, 4, **kw)
+            engine.generate(model, prompts, 4, **kw)
     # the cache of every slot is checked against free memory before allocating
-    monkeypatch.setattr(memory, "free_memory",
-                        lambda device: kv.cache_bytes(model, 16, 4, None, 3) + 1)
+    monkeypatch.setattr(devices, "free_memory",
+                        lambda device: kv_cache.cache_bytes(model, 16, 4, None, 3) + 1)
     with pytest.raises(ValueError, match="3 sequences of 17 positions.*at most 16 positions"
                        ".*fewer new tokens, a smaller batch_size, or use"):
-        wfd.generate(model, [[1, 2, 3]] * 3, 15, num_steps=4)
-    assert len(wfd.generate(model, [[1, 2, 3]] * 3, 14, num_steps=4)) == 3
+        engine.generate(model, [[1, 2, 3]] * 3, 15, num_steps=4)
+    assert len(engine.generate(model, [[1, 2, 3]] * 3, 14, num_steps=4)) == 3

@@ -12,8 +12,7 @@ import torch
 import bench
 import cli.answers
 import models
-import wfd
-from cli import plain
+import engine
 from test_chat import CHATML, checkpoint, tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -160,7 +159,8 @@ def test_random_weights_emulated(capsys, tmp_path):
             in text)
     # the R calls' host time is part of each run's time, and is printed per method on a CPU
     assert all(0 < r["stats"]["r_seconds"] < r["stats"]["wall_s"]
-               for recs in out["results"].values() for r in recs)
+               for name, recs in out["results"].items() if name not in bench.REFERENCE
+               for r in recs)
     assert "R calls after the prefill" in text
     for cells in rows(text).values():
         assert cells[-2] == "100%"
@@ -475,7 +475,7 @@ def test_batch_size(capsys):
         # batch_s holds
         assert out["figs"][name]["tok_s"] == pytest.approx(tokens / max(r["batch_s"] for r in recs))
         for r in recs:
-            assert r["tokens"] == wfd.generate(model, r["prompt"]["ids"], 8, method="ar",
+            assert r["tokens"] == engine.generate(model, r["prompt"]["ids"], 8, method="ar",
                                                width=1).tokens
 
 
@@ -542,19 +542,13 @@ def test_sweep_second_depth(capsys, tmp_path):
     assert png_size(tmp_path / "m.png") == bench.figures.PIXELS
 
 
-@pytest.mark.parametrize("name", ["ouro_A", "huginn_A", "parcae_A", "loopformer_A", "raven_A"])
-def test_plain_forward_gives_ar_tokens(name):
-    """bench.py's plain baseline (cli/plain.py: one SDPA call per layer over a growing cache) decodes
-    AR's tokens, prompt and coda layers included."""
-    model = models.load(os.path.join(HERE, "testdata", name))
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    tokens, kv_bytes = plain.generate(model, prompt, 12)
-    assert tokens == wfd.generate(model, prompt, 12, method="ar").tokens and kv_bytes > 0
-
-
-def test_plain_forward_row(capsys):
+def test_reference_rows(capsys):
+    """The reference's rows (wfd.py's loop) beside the engine's: its AR gives the engine's AR's
+    tokens, its WFD its AR's."""
     out, text = run_bench(capsys, ["--model", os.path.join(HERE, "testdata", "ouro_A"),
                                    "--num-prompts", "2", "--prompt-len", "5", "--methods",
-                                   "ar,plain", "--max-new-tokens", "12", "--out", ""])
-    assert rows(text)["plain forward"][-2:] == ["100%", "100.0%"]  # AR's tokens
-    assert "The plain forward (one SDPA call per layer" in text
+                                   "ar,ref-wfd", "--max-new-tokens", "12", "--out", ""])
+    table = rows(text)
+    assert table["AR, the reference (wfd.py): a plain forward"][-2:] == ["100%", "100.0%"]
+    assert table["WFD, the reference (wfd.py)"][-2:] == ["100%", "100.0%"]
+    assert "The reference's AR (wfd.py's loop, eager: a plain forward" in text

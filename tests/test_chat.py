@@ -14,12 +14,11 @@ from tokenizers import Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
 import bench
-from formats import chat
-import kv
+from formats import chat, devices
+from engine import kv_cache
 import models
 import run
-import wfd
-from runtime import memory
+import engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the project
@@ -240,7 +239,7 @@ def test_streaming_decodes_the_tail_only(capsys):
 
 def test_kept_logits_are_copies_of_the_committed_rows():
     model = models.load(os.path.join(HERE, "testdata", "ouro_A"))
-    out = wfd.generate(model, [1, 2, 3], 6, keep_logits=True)
+    out = engine.generate(model, [1, 2, 3], 6, keep_logits=True)
     V = model.args.vocab_size
     assert all(t.shape == (V,) and t.untyped_storage().nbytes() == V * 4 for t in out.logits)
 
@@ -249,19 +248,19 @@ def test_a_cache_that_does_not_fit_is_refused(monkeypatch, capsys):
     model = models.load(os.path.join(HERE, "testdata", "ouro_A"))
     for window in (None, 2):
         for capacity in (5, 60):
-            assert (kv.cache_bytes(model, capacity, 4, window)
-                    == kv.make_cache(model, capacity, 4, window).nbytes)
-    free = kv.cache_bytes(model, 40, 4) + 100  # room for 40 positions, not 41
-    monkeypatch.setattr(memory, "free_memory", lambda device: free)
+            assert (kv_cache.cache_bytes(model, capacity, 4, window)
+                    == kv_cache.make_cache(model, capacity, 4, window).nbytes)
+    free = kv_cache.cache_bytes(model, 40, 4) + 100  # room for 40 positions, not 41
+    monkeypatch.setattr(devices, "free_memory", lambda device: free)
     # run.py's load: the KV cache is checked
-    monkeypatch.setattr(memory, "check_weights_fit", lambda *args: None)
-    need = kv.cache_bytes(model, 3 + 60 - 1, 4)
+    monkeypatch.setattr(devices, "check_weights_fit", lambda *args: None)
+    need = kv_cache.cache_bytes(model, 3 + 60 - 1, 4)
     message = (f"the KV cache for 62 positions needs {need} bytes ({need / 2**30:.2f} GiB), "
                f"but cpu has {free} bytes "
                "free: at most 40 positions (prompt + max_new_tokens - 1) fit")
     with pytest.raises(ValueError, match=re.escape(message)):
-        wfd.generate(model, [1, 2, 3], 60)
-    assert len(wfd.generate(model, [1, 2, 3], 38).tokens) == 38  # 40 positions
+        engine.generate(model, [1, 2, 3], 60)
+    assert len(engine.generate(model, [1, 2, 3], 38).tokens) == 38  # 40 positions
     with pytest.raises(SystemExit) as exit:
         run.main(["--model", os.path.join(HERE, "testdata", "ouro_A"), "--prompt-ids", "1,2,3",
                   "--max-new-tokens", "60"])

@@ -8,9 +8,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import models
-import wfd
-from test_wfd import DEVICE, GOLDEN, poison_masked_columns, same_logits, tiny_config, tiny_model
-from runtime import compiling, decoder, memory
+import engine
+from test_engine import DEVICE, GOLDEN, poison_masked_columns, same_logits, tiny_config, tiny_model
+from engine import compiling, model_runner, memory
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
     width, capacity = T, len(prompt) + n_new
 
     def run(method, k, **kw):
-        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+        return engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                             draft_len=1 + k % (width - 1), width=width, capacity=capacity,
                             keep_logits=True, compile=True, **kw)
 
@@ -41,7 +41,7 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
         # no recompiles: every run found AR's graphs
         assert counters["stats"]["unique_graphs"] == compiled
     if dtype == torch.float32:  # the compiled calls compute the eager model, up to rounding
-        eager = wfd.generate(model, prompt, n_new, method="ar", width=width, keep_logits=True)
+        eager = engine.generate(model, prompt, n_new, method="ar", width=width, keep_logits=True)
         assert eager.tokens == greedy.tokens
         assert torch.allclose(torch.stack(eager.logits), torch.stack(greedy.logits), atol=1e-4)
 
@@ -60,11 +60,11 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
                                init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
     model._compiled = {fn: compiling.compile_call(fn, graphs=True)
-                       for fn in (model.r_body, decoder.read_body)}
+                       for fn in (model.r_body, model_runner.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):
-        return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
+        return engine.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
                             capacity=15, keep_logits=True, compile=compile, temperature=0.8, seed=2)
 
     ar = run("ar", T, True)
@@ -92,7 +92,7 @@ def test_graphs_and_caches_do_not_grow_with_prompts_and_samplers(monkeypatch):
     runs += [dict(prompt_ids=prompt(4), seed=seed, temperature=t)
              for seed in range(6) for t in (0.7, 1.3)]
     for run in runs:
-        out = wfd.generate(model, max_new_tokens=6, compile=True, **run)
+        out = engine.generate(model, max_new_tokens=6, compile=True, **run)
         assert len(out.tokens) == 6 and out.stats["compiled"]
     assert counters["stats"]["unique_graphs"] - graphs <= 8
     assert len(memory.STATIC_CACHES[model]) == 1
@@ -109,7 +109,7 @@ def test_static_buffers_stay_and_cuda_graphs_are_taken():
     skips = counters["inductor"]["cudagraph_skips"]
     ptrs = []
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):  # two prompt lengths, one capacity
-        out = wfd.generate(model, prompt, 6, capacity=16, compile=True)
+        out = engine.generate(model, prompt, 6, capacity=16, compile=True)
         assert len(out.tokens) == 6
         # on a GPU the counts of cudagraph trees and inductor; on a CPU none are taken
         assert out.stats["cuda_graphs_rerecorded"] == out.stats["cuda_graphs_skipped"] == 0
@@ -129,7 +129,7 @@ def test_compiled_batched_wfd_equals_compiled_batched_ar():
     width, T = 4, model.num_steps
 
     def run(method, k, **kw):
-        return wfd.generate(model, prompts, n_new, method=method, draft_steps=k, width=width,
+        return engine.generate(model, prompts, n_new, method=method, draft_steps=k, width=width,
                             batch_size=2, capacity=16, keep_logits=True, compile=True, **kw)
 
     ar = run("ar", T)
@@ -148,11 +148,11 @@ def test_compiled_schedules_compile_nothing_and_equal_compiled_ar(monkeypatch):
     model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE,
                                init_seed=7)
     prompt, n_new, width = [5, 6, 7], 27, 2  # positions up to 28 of 32: 1, 2, 4 key blocks of 8
-    run = lambda method, n=n_new, **kw: wfd.generate(model, prompt, n, method=method, width=width,
+    run = lambda method, n=n_new, **kw: engine.generate(model, prompt, n, method=method, width=width,
                                                      capacity=32, keep_logits=True,
                                                      compile=True, **kw)
     assert run("ar", 4).stats["graphs_compiled"] > 0  # one key block's graphs
-    assert wfd.compile_graphs(model, prompt, n_new, method="ar", width=width,
+    assert engine.compile_graphs(model, prompt, n_new, method="ar", width=width,
                               capacity=32) > 0  # 2 and 4 blocks
     ar = run("ar")
     for method, k in (("wfd", -(-model.num_steps // width)), ("dtv", 1), ("dtv", 2)):
@@ -172,7 +172,7 @@ def test_compiled_wfd_equals_compiled_ar_across_every_key_bucket():
     forced wrong, and sampled."""
     model = tiny_model("huginn", 2, torch.bfloat16)
     T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [3, 1, 4], 60  # positions to 62
-    run = lambda method, k, **kw: wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+    run = lambda method, k, **kw: engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                                                width=T, capacity=64, keep_logits=True,
                                                compile=True, **kw)
     for sampling in (dict(), dict(temperature=0.8, seed=3)):

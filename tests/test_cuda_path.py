@@ -11,13 +11,14 @@ import random
 import pytest
 import torch
 
-import kv
-import wfd
+from engine import kv_cache
+import engine
 from cli import args
-from runtime import checks, compiling, memory, transfers
+from engine import checks, compiling, memory, model_runner, siblings, staging
+from formats import devices
 from test_batch import prompts_for
 from test_siblings import FAMILIES, model_of
-from test_wfd import DEVICE, same_logits
+from test_engine import DEVICE, same_logits
 
 
 class Waits:
@@ -52,12 +53,12 @@ def imitation(monkeypatch):
     counted (Waits). The replays are counted: yields (Waits, replays)."""
     if DEVICE != "cuda":
         from torch._inductor import cudagraph_trees
-        monkeypatch.setattr(transfers, "CUDA_PATH", transfers.CUDA_PATH | {"cpu"})
+        monkeypatch.setattr(staging, "CUDA_PATH", staging.CUDA_PATH | {"cpu"})
         monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists:
                             StandInManager())
-    waits = Waits(transfers.Staging.record if DEVICE == "cuda" else lambda device: None)
-    monkeypatch.setattr(transfers.Staging, "ring", 2)
-    monkeypatch.setattr(transfers.Staging, "record", staticmethod(waits))
+    waits = Waits(staging.Staging.record if DEVICE == "cuda" else lambda device: None)
+    monkeypatch.setattr(staging.Staging, "ring", 2)
+    monkeypatch.setattr(staging.Staging, "record", staticmethod(waits))
     # replay begins each call with a step mark, looked up as it runs: counted even in a graph
     # compiled in an earlier test (family_model)
     replays, mark = [], torch.compiler.cudagraph_mark_step_begin
@@ -114,7 +115,7 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
                      shared=dict(kv="shared"))[case])
     wrong = lambda pos, token, depth=None: (token + 1) % V if pos % 4 == 0 else token
     hook = (lambda i, *a, **d: wrong(*a, **d)) if batched else wrong
-    run = lambda method, **more: wfd.generate(model, prompts, n_new, method=method,
+    run = lambda method, **more: engine.generate(model, prompts, n_new, method=method,
                                               compile=True, **kw, **more)
     outs = {"wfd": run("wfd", draft_hook=hook)}
     width = (outs["wfd"][0] if batched else outs["wfd"]).stats["width"]
@@ -122,7 +123,7 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
         outs["dtv"] = run("dtv", draft_hook=hook, width=width, draft_len=width - 1)
     ar = run("ar", width=width)
     kw.pop("second_depth", None)
-    eager = wfd.generate(model, prompts, n_new, method="ar", **kw)
+    eager = engine.generate(model, prompts, n_new, method="ar", **kw)
     listed = lambda o: o if batched else [o]
     for method, out in outs.items():
         for o, a, e in zip(listed(out), listed(ar), listed(eager)):
@@ -136,19 +137,20 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
 
 def test_compiled_attention_on_the_cuda_path_runs_on_aten_kernels(monkeypatch):
     """A compiled call attends through einsum and SDPA on the CUDA path, through sums written out
-    (kv.block_attention) on a CPU. On an H200 the sums' Triton kernels summed a row in an order
+    (kv_cache.block_attention) on a CPU. On an H200 the sums' Triton kernels summed a row in an order
     that depended on the graph, so that compiled WFD and AR parted at the first call across two
-    key blocks (runtime.compiling.sums_written_out)."""
+    key blocks (compiling.sums_written_out)."""
     model = model_of("ouro", 0, torch.float32)
-    cache, sums = kv.make_cache(model, 16, model.num_steps), []
-    prepare = kv.KVCache.prepare
-    monkeypatch.setattr(kv.KVCache, "prepare", lambda self, *a: sums.append(a[3]) or
-                        prepare(self, *a))
+    cache, sums = kv_cache.make_cache(model, 16, model.num_steps), []
+    written_out = kv_cache.sums_written_out  # what the compiled call's prepare asks
+    monkeypatch.setattr(kv_cache, "sums_written_out",
+                        lambda device: sums.append(written_out(device)) or sums[-1])
     pos, depth = torch.tensor([9], device=DEVICE), torch.tensor([0], device=DEVICE)
     s = torch.zeros(1, model.args.dim, device=DEVICE)
     for cuda_path in ({"cuda"}, {"cuda", "cpu"}):
-        monkeypatch.setattr(transfers, "CUDA_PATH", cuda_path)
-        model.r_body(s, None, model.to_device(pos, depth, cache, compiled=True, top=9))
+        monkeypatch.setattr(staging, "CUDA_PATH", cuda_path)
+        model.r_body(s, None, model_runner.to_device(model, pos, depth, cache, compiled=True,
+                                                    top=9))
     assert sums == ([False, False] if DEVICE == "cuda" else [True, False])
 
 
@@ -162,7 +164,7 @@ def test_a_staging_event_is_recorded_on_the_models_device(monkeypatch):
             recorded.append(stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
-    transfers.cuda_event(torch.device("cuda", 1))
+    staging.cuda_event(torch.device("cuda", 1))
     assert recorded == ["stream of cuda:1"]
 
 
@@ -182,7 +184,7 @@ def test_every_cuda_device_compiles_by_default(device, flags, compiled):
         args.resolve_compile(p.parse_args(["--compile", "--eager"]))
 
 
-# -- the rest of runtime/ that the quick suite's decoding does not reach -------------------------
+# -- the rest of engine/ that the quick suite's decoding does not reach -------------------------
 
 def test_static_caches_keep_the_latest_two_settings_and_free_memory_without_meminfo(monkeypatch):
     model = model_of("ouro", 0, torch.float32)
@@ -199,14 +201,14 @@ def test_static_caches_keep_the_latest_two_settings_and_free_memory_without_memi
 
     def missing(*args, **kw):
         raise FileNotFoundError("/proc/meminfo")
-    monkeypatch.setattr(memory, "open", missing, raising=False)  # memory's alone
-    assert memory.free_memory(torch.device("cpu")) is None
+    monkeypatch.setattr(devices, "open", missing, raising=False)  # devices' alone
+    assert devices.free_memory(torch.device("cpu")) is None
 
 
 def test_compile_graphs_at_a_capacity_of_one_position_compiles_nothing(imitation):
     """Position 0 is the prefill's: a capacity of 1 leaves no call to warm up."""
     model = model_of("ouro", 0, torch.float32)
-    assert wfd.compile_graphs(model, [1], 1, capacity=1) == 0
+    assert engine.compile_graphs(model, [1], 1, capacity=1) == 0
 
 
 def test_a_patched_block_reads_what_a_gathered_block_does():
@@ -215,17 +217,17 @@ def test_a_patched_block_reads_what_a_gathered_block_does():
     block's first and last columns. (Compiled, these lines run only inside dynamo's trace, where
     coverage sees none.)"""
     model = model_of("ouro", 0, torch.float64)
-    cache = kv.make_cache(model, 16, model.num_steps, batch=1, branches=3)
+    cache = kv_cache.make_cache(model, 16, model.num_steps, batch=1, branches=3)
     cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(0),
                               dtype=cache.k.dtype))
     lanes = lambda *rows: torch.tensor(rows)
     q = lanes([8, 3, -1], [15, 7, 0], [-1, -1, -1])  # positions read from a branch: -1 none
     j = lanes([0, 1, -1], [2, 0, 1], [-1, -1, -1])  # their branches
     last, rows = lanes([9], [15], [12]), lanes(0, 1, 2)
-    blocks = {gather: cache.key_blocks(last, 2, branches=kv.Branches(lanes(0, 1, -1), q, j,
-                                                                       gather))
+    blocks = {gather: cache.key_blocks(last, 2,
+                                       branches=siblings.Branches(lanes(0, 1, -1), q, j, gather))
               for gather in (None, 0)}
     for patched, gathered in zip(blocks[None], blocks[0]):
-        assert isinstance(patched[3], kv.Patch) and torch.is_tensor(gathered[3])
-        assert torch.equal(kv.read(patched[0], cache.k, rows, patched[3]),
-                           kv.read(gathered[0], cache.k, rows, gathered[3]))
+        assert isinstance(patched[3], siblings.Patch) and torch.is_tensor(gathered[3])
+        assert torch.equal(kv_cache.read(patched[0], cache.k, rows, patched[3]),
+                           kv_cache.read(gathered[0], cache.k, rows, gathered[3]))

@@ -9,7 +9,7 @@ import torch
 import models
 import run
 from demo import train as train_demo
-import wfd
+import engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the project
@@ -31,8 +31,8 @@ def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
                    check=True, capture_output=True, timeout=300)
     model = models.load(str(tmp_path))
     prompt = model.tokenizer.encode("def f(x):\n    return").ids
-    ar = wfd.generate(model, prompt, 8, method="ar")
-    assert wfd.generate(model, prompt, 8, method="wfd").tokens == ar.tokens
+    ar = engine.generate(model, prompt, 8, method="ar")
+    assert engine.generate(model, prompt, 8, method="wfd").tokens == ar.tokens
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def test_demo_wfd_and_dtv_equal_ar_on_held_out_prompts(dtype):
     for prompt in train_demo.eval_prompts(model.tokenizer, count=2):
         for k in (1, 2, 3):
             for method, width in (("wfd", None), ("dtv", 5)):
-                out = wfd.generate(model, prompt, 40, method=method, draft_steps=k,
+                out = engine.generate(model, prompt, 40, method=method, draft_steps=k,
                                    keep_logits=True)
-                ar = wfd.generate(model, prompt, 40, method="ar", draft_steps=k, width=width,
+                ar = engine.generate(model, prompt, 40, method="ar", draft_steps=k, width=width,
                                   keep_logits=True)
                 assert out.tokens == ar.tokens, (method, k)
                 assert torch.equal(torch.stack(out.logits), torch.stack(ar.logits)), (method, k)
@@ -67,7 +67,7 @@ def test_run_py_streams_the_demo_text(demo, capsys):
     run.main(["--prompt", "def f(x):", "--max-new-tokens", "12"])
     out = capsys.readouterr().out
     prompt = demo.tokenizer.encode("def f(x):").ids
-    ar = wfd.generate(demo, prompt, 12, method="ar", eos_token_id=demo.eos_token_ids)
+    ar = engine.generate(demo, prompt, 12, method="ar", eos_token_id=demo.eos_token_ids)
     assert out.startswith(demo.tokenizer.decode(prompt + ar.tokens) + "\n[wfd] 12 tokens")
 
 

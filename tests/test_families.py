@@ -17,14 +17,14 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models as tok_models
 from tokenizers.pre_tokenizers import Whitespace
 
-import kv
+from engine import kv_cache
 import models
-import wfd
+import engine
 from formats import checkpoints, configs
 from layers import transformer
-from runtime import decoder
+from engine import model_runner
 from test_batch import check_against_batched_ar, prompts_for
-from test_wfd import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits, tiny_model
+from test_engine import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits, tiny_model
 
 torch.set_num_threads(1)
 
@@ -71,7 +71,7 @@ def run_schedule(model, ids, steps):
     t, out = torch.zeros(1), []
     for dt in steps:
         mod = model.modulation(t, torch.tensor([dt]))[0]  # [L, 4D]
-        x = model._layers(model.core, x, model.to_device(pos, None, None), mod=mod)
+        x = model._layers(model.core, x, models.Call(pos, None), mod=mod)
         t = t + dt
         out.append(model.C(x, None, pos))
     return out
@@ -91,7 +91,7 @@ def test_loopformer_forward_matches_golden(loopformer):
     assert close(m.clock(t, dt), g["cond_per_step"], **tol)
     table = m.clock_table(T)
     assert close(table.unflatten(-1, (4, -1)), g["modulation_per_step"], **tol)
-    block0 = m.core[0](x0, *m.rope(pos), kv.causal_attention, None, table[0, 0])
+    block0 = m.core[0](x0, *m.rope(pos), kv_cache.causal_attention, None, table[0, 0])
     assert close(block0, g["block0_step1_out"], **tol)
     s, states, logits = x0, [], []
     for d in range(T):
@@ -150,7 +150,7 @@ def test_raven_forward_matches_golden(raven):
     for d in range(4):
         s = m.R(s, e, pos, d)
     assert close(s, g["latent_final"], **tol)
-    coda = m._layers(m.coda, s, m.to_device(pos, None, None))
+    coda = m._layers(m.coda, s, models.Call(pos, None))
     assert close(coda, g["coda_out"], **tol)
     assert close(transformer.rms_norm(coda, m.norm, m.args.norm_eps), g["final_hidden"], **tol)
     # RoPE: rotate-half pairs at the Llama-3-scaled frequencies (one kept, one blended, six divided)
@@ -172,7 +172,7 @@ def test_generation_matches_golden(name, tolerance, request):
     assert got == want and max_err(logits, g["gen_logits_cached"]) < tolerance
     full = torch.stack([model.logits(ids + want[:i])[-1] for i in range(24)])
     assert full.argmax(-1).tolist() == want and max_err(full, g["gen_logits_nocache"]) < tolerance
-    assert wfd.generate(model, ids, 24, method="ar").tokens == want
+    assert engine.generate(model, ids, 24, method="ar").tokens == want
 
 
 def test_raven_random_initial_state_is_seeded_by_position():
@@ -248,7 +248,7 @@ def test_raven_golden_catches_wrong_variants(mutation, monkeypatch):
     elif mutation == "kv heads tiled":  # query head h reading kv head h % Hkv, not h // (H / Hkv)
         tile = lambda q, t: t.repeat(1, q.shape[-2] // t.shape[-2], 1)
         monkeypatch.setattr(models, "causal_attention",
-                            lambda q, k, v: kv.causal_attention(q, tile(q, k), tile(q, v)))
+                            lambda q, k, v: kv_cache.causal_attention(q, tile(q, k), tile(q, v)))
     meta, g = golden("raven_A")
     got = m.logits(meta["prompt_ids"], state=g["init_state_random"])
     assert not close(got, g["logits_random_init"], atol=1e-4)
@@ -406,7 +406,7 @@ def test_every_schedule_equals_ar_at_every_draft_depth(kind, dtype):
     model = tiny_family(kind, seed, dtype)
     T, V, rng = model.num_steps, model.args.vocab_size, random.Random(seed)
     prompt, n_new = [rng.randrange(V) for _ in range(rng.randint(2, 7))], 12
-    ar = wfd.generate(model, prompt, n_new, method="ar", width=1)
+    ar = engine.generate(model, prompt, n_new, method="ar", width=1)
     for k in range(1, T + 1):
         for method in ("wfd", "dtv"):
             out = exact(model, prompt, n_new, method, k, draft_len=1 + k % 3)
@@ -417,9 +417,9 @@ def test_every_schedule_equals_ar_at_every_draft_depth(kind, dtype):
             some_wrong = lambda pos, tok: at(pos) if pos % 3 else (at(pos) + 1) % V
             exact(model, prompt, n_new, method, k, draft_hook=some_wrong)
         shared = dict(kv="shared", draft_steps=k, keep_logits=True)
-        ar_shared = wfd.generate(model, prompt, n_new, method="ar", **shared)
+        ar_shared = engine.generate(model, prompt, n_new, method="ar", **shared)
         for hook in (None, lambda pos, tok: (tok + 1) % V):
-            out = wfd.generate(model, prompt, n_new, draft_hook=hook, **shared)
+            out = engine.generate(model, prompt, n_new, draft_hook=hook, **shared)
             assert same_logits(out, ar_shared), (k, hook)
 
 
@@ -430,7 +430,7 @@ def test_batched_with_refill_equals_batched_ar(kind, dtype):
     stop token, sampled too; shared KV batched."""
     model = tiny_family(kind, 7, dtype)
     prompts = prompts_for(model, 4, 7)
-    plain = wfd.generate(model, prompts, 12, method="ar", batch_size=2)
+    plain = engine.generate(model, prompts, 12, method="ar", batch_size=2)
     eos = plain[0].tokens[5]
 
     def wrong_in_one(i, pos, token):
@@ -446,7 +446,7 @@ def test_batched_with_refill_equals_batched_ar(kind, dtype):
         check_against_batched_ar(model, prompts, 12, "wfd", k, batch_size=2, kv="shared")
     if dtype == torch.float64:  # each prompt as if alone
         for prompt, out in zip(prompts, plain):
-            assert wfd.generate(model, prompt, 12, method="ar", width=1).tokens == out.tokens
+            assert engine.generate(model, prompt, 12, method="ar", width=1).tokens == out.tokens
 
 
 @pytest.mark.slow
@@ -459,8 +459,8 @@ def test_float32_goldens_every_method_and_depth(name, request):
         for method in ("wfd", "dtv"):  # AR's at the method's width, and the official tokens
             assert exact(model, ids, 24, method, k).tokens == want, (method, k)
         shared = dict(kv="shared", draft_steps=k, keep_logits=True)
-        ar_shared = wfd.generate(model, ids, 24, method="ar", **shared)
-        assert same_logits(wfd.generate(model, ids, 24, **shared), ar_shared), k
+        ar_shared = engine.generate(model, ids, 24, method="ar", **shared)
+        assert same_logits(engine.generate(model, ids, 24, **shared), ar_shared), k
 
 
 @pytest.mark.slow
@@ -472,7 +472,7 @@ def test_compiled_wfd_equals_compiled_ar():
         T, prompt, n_new = model.num_steps, [3, 1, 4], 10
 
         def run(method, k, compile=True, **kw):
-            return wfd.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
+            return engine.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
                                 capacity=len(prompt) + n_new, keep_logits=True, compile=compile,
                                 **kw)
         for sampling in (dict(), dict(temperature=0.9, seed=1)):
@@ -494,11 +494,11 @@ def test_loopformer_decodes_at_another_depth_on_that_depths_clock(T):
     m, (meta, g) = models.load(GOLDEN["loopformer_A"]), golden("loopformer_A")
     ids = meta["prompt_ids"]
     if T == 4:
-        out = wfd.generate(m, ids, 1, num_steps=T, keep_logits=True)
+        out = engine.generate(m, ids, 1, num_steps=T, keep_logits=True)
         assert max_err(out.logits[0], g["logits_elastic"][T - 1][-1]) < 1e-4
     else:
         m64 = models.load(GOLDEN["loopformer_A"], dtype=torch.float64)
-        out = wfd.generate(m64, ids, 1, num_steps=T, keep_logits=True)
+        out = engine.generate(m64, ids, 1, num_steps=T, keep_logits=True)
         w = {k: v.double() for k, v in load_file(
             os.path.join(GOLDEN["loopformer_A"], "model.safetensors")).items()}
         want = loopformer_reference(w, m.config, ids, T, T)[-1][-1]
@@ -697,7 +697,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     and DtV."""
     model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
     T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
-    prefill, fetch = decoder.Decoder.prefill, decoder.fetch
+    prefill, fetch = model_runner.Decoder.prefill, model_runner.fetch
 
     def in_prefill(self, *args):
         prefilling[0] = True
@@ -705,7 +705,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
             return prefill(self, *args)
         finally:
             prefilling[0] = False
-    monkeypatch.setattr(decoder.Decoder, "prefill", in_prefill)
+    monkeypatch.setattr(model_runner.Decoder, "prefill", in_prefill)
     for name in HOST_READS:
         method = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda t, *a, method=method, name=name, **kw: (
@@ -714,7 +714,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (
         made.append(1) if not prefilling[0] else None) or tensor(*a, **kw))
     fetched = []
-    monkeypatch.setattr(decoder, "fetch", lambda t: (
+    monkeypatch.setattr(model_runner, "fetch", lambda t: (
         fetched.append(1) if not prefilling[0] else None) or fetch(t))
     runs = [([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
             ([5, 9], "dtv", dict(temperature=0.8, seed=1))]
@@ -723,7 +723,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     for prompts, method, sampling in runs:
         del reads[:], made[:], fetched[:]
         prefilling[0] = True
-        outs = wfd.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
+        outs = engine.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
                             **sampling)
         outs = outs if isinstance(outs, list) else [outs]
         assert len(reads) == len(fetched) and not made, (kind, method, reads)

@@ -22,10 +22,10 @@ from tokenizers import models as tokenizer_models
 import bench
 import models
 import run
-import wfd
+import engine
 from cli.output import answer_text
-from formats import checkpoints
-from runtime import decoder, memory
+from formats import checkpoints, devices
+from engine import model_runner, memory
 from test_chat import CHATML, checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,14 +53,14 @@ def test_a_bench_run_keeps_no_logits(capsys):
     assert (digests == [r["stats"]["logits_digest"] for r in out["results"]["ar-wave"]]
             and None not in digests)
     model = models.load(OURO_A)
-    a = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True, keep_logits=True)
-    b = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
+    a = engine.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True, keep_logits=True)
+    b = engine.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
     assert a.stats["logits_digest"] == b.stats["logits_digest"]
     V = model.args.vocab_size
     for v in (0, V - 1, random.Random(0).randrange(1, V - 1)):  # the ends and one between
         weight = model.lm_head.weight.data[v, 0].item()
         model.lm_head.weight.data[v, 0] += 1e-3  # logit v of every row moves
-        c = wfd.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
+        c = engine.generate(model, [1, 2, 3], 6, method="ar", digest_logits=True)
         model.lm_head.weight.data[v, 0] = weight
         assert c.tokens == a.tokens and c.stats["logits_digest"] != a.stats["logits_digest"], v
 
@@ -137,7 +137,7 @@ def test_paper_names_the_model_from_a_hub_cache_folder(tmp_path, capsys):
 
 
 def test_weights_that_do_not_fit_are_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
+    monkeypatch.setattr(devices, "free_memory", lambda device: 1000)
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(SystemExit) as exit:
         run.main(["--model", OURO_A, "--prompt-ids", "1,2"])
@@ -199,7 +199,7 @@ def test_running_out_of_memory_while_decoding_is_one_line(script, form, monkeypa
 
     def oom(*args, **kw):
         raise make()
-    monkeypatch.setattr(decoder.Decoder, "advance", oom)
+    monkeypatch.setattr(model_runner.Decoder, "advance", oom)
     argv = ["--model", OURO_A, "--max-new-tokens", "4"] + (
         ["--prompt-ids", "1,2"] if script is run else ["--num-prompts", "1", "--out", ""])
     with pytest.raises(SystemExit) as exit:
@@ -213,7 +213,7 @@ def test_other_runtime_errors_keep_their_traceback(monkeypatch):
     """A RuntimeError that is not memory running out is a bug: it is not turned into one line."""
     def bug(*args, **kw):
         raise BackendCompilerFailed(None, RuntimeError("shape mismatch"), None)
-    monkeypatch.setattr(decoder.Decoder, "advance", bug)
+    monkeypatch.setattr(model_runner.Decoder, "advance", bug)
     with pytest.raises(BackendCompilerFailed):
         run.main(["--model", OURO_A, "--max-new-tokens", "4", "--prompt-ids", "1,2"])
 
@@ -237,7 +237,7 @@ def test_the_text_keeps_the_special_tokens_but_the_stop(tmp_path, capsys):
     continuation writes, and a third its stop token: printed, streamed and JSON text keep the first
     two and leave out the stop token."""
     model = models.load(OURO_A)
-    tokens = wfd.generate(model, [1, 2, 3], 12, method="ar").tokens
+    tokens = engine.generate(model, [1, 2, 3], 12, method="ar").tokens
     think, end = tokens[2], next(t for t in tokens[3:] if t != tokens[2])
     stop = next(t for t in tokens[tokens.index(end) + 1:] if t not in (think, end))
     special = {think: "<think>", end: "</think>", stop: "<|im_end|>"}

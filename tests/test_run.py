@@ -19,7 +19,7 @@ from tokenizers.pre_tokenizers import Whitespace
 import bench
 import models
 import run
-import wfd
+import engine
 from cli import figures
 from formats import chat
 
@@ -332,7 +332,7 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
     (the config names none)."""
     model = models.load(PARCAE_A)
     prompt = [0, 5, 9, 3]
-    eos = wfd.generate(model, prompt, 30, method="ar").tokens[4]
+    eos = engine.generate(model, prompt, 30, method="ar").tokens[4]
     names = {0: "<|bos|>", eos: "<|eos|>"}
     vocab = {names.get(i, f"w{i}"): i for i in range(model.args.vocab_size)}
     tok = Tokenizer(WordLevel(vocab, unk_token="w2"))
@@ -341,7 +341,7 @@ def test_a_tokenizer_from_elsewhere(tmp_path, capsys):
     run.main(["--model", PARCAE_A, "--tokenizer", str(tmp_path / "tokenizer.json"),
               "--prompt", "w5 w9 w3", "--max-new-tokens", "30", "--method", "ar", "--json"])
     out = strict(capsys.readouterr().out)
-    want = wfd.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens
+    want = engine.generate(model, prompt, 30, method="ar", eos_token_id=eos).tokens
     assert out["tokens"] == want and want[-1] == eos and len(want) < 30
 
 
@@ -385,7 +385,7 @@ def test_a_prompts_file(tmp_path, capsys):
     for o, line in zip(out, LINES):
         ids = demo.tokenizer.encode(line).ids
         assert o["prompt_ids"] == ids and o["method"] == "wfd"
-        assert o["tokens"] == wfd.generate(demo, ids, 6, method="ar", width=1).tokens
+        assert o["tokens"] == engine.generate(demo, ids, 6, method="ar", width=1).tokens
         assert o["text"] == demo.tokenizer.decode(o["tokens"])
         assert o["stats"]["index"] == o["index"] and o["stats"]["batch_size"] == 2
         assert o["stats"]["slot"] == o["index"] % 2
@@ -410,7 +410,7 @@ def test_a_jsonl_prompts_file(tmp_path, capsys):
     model = models.load(OURO_A, dtype=torch.float64)
     assert [o["prompt_ids"] for o in out] == prompts and all(o["text"] is None for o in out)
     for o, p in zip(out, prompts):
-        assert o["tokens"] == wfd.generate(model, p, 5, method="ar", width=1).tokens
+        assert o["tokens"] == engine.generate(model, p, 5, method="ar", width=1).tokens
         assert o["stats"]["batch_size"] == 3 and o["stats"]["slot"] == o["index"]
 
 

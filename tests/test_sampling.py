@@ -9,9 +9,10 @@ import torch
 import bench
 import models
 import run
-import wfd
-from runtime import sampling
-from test_wfd import CASES, GOLDEN, exact, quick, tiny_config, tiny_model
+import engine
+from engine import sampling
+from layers import noise
+from test_engine import CASES, GOLDEN, exact, quick, tiny_config, tiny_model
 
 torch.set_num_threads(1)
 
@@ -33,7 +34,7 @@ def settings(seed):
 # -- the noise -------------------------------------------------------------------------------------
 
 def lowbias32(x):
-    """The hash in plain Python integers, which never overflow: what sampling.mix32 must compute."""
+    """The hash in plain Python integers, which never overflow: what noise.mix32 must compute."""
     x ^= x >> 16
     x = x * 0x7FEB352D & M32
     x ^= x >> 15
@@ -44,19 +45,19 @@ def lowbias32(x):
 def test_mix32_is_lowbias32_on_the_whole_32_bit_range():
     xs = ([0, 1, 2, 0x7FFFFFFF, 0x80000000, 0x80000001, M32 - 1, M32]
           + list(range(12345, 2**32, 2**32 // 1000)))
-    assert sampling.mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+    assert noise.mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
 
 
 def test_noise_is_a_function_of_seed_position_and_token_alone():
     for vocab in (37, 2048, 50257):
         pos = torch.tensor([0, 5, 6, 130, 2**31 - 1])
-        batch = sampling.gumbel(sampling.seed_key(4), pos, vocab)
+        batch = sampling.gumbel(noise.seed_key(4), pos, vocab)
         # bit for bit whichever batch the row comes in, and wherever in it
         for i in range(len(pos)):
-            assert torch.equal(sampling.gumbel(sampling.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
+            assert torch.equal(sampling.gumbel(noise.seed_key(4), pos[i:i + 1], vocab)[0], batch[i])
             assert torch.equal(
-                sampling.gumbel(sampling.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
-        assert torch.equal(sampling.gumbel(sampling.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
+                sampling.gumbel(noise.seed_key(4), pos.flip(0), vocab)[len(pos) - 1 - i], batch[i])
+        assert torch.equal(sampling.gumbel(noise.seed_key(4), pos, vocab + 5)[:, :vocab], batch)
         logits = torch.randn(len(pos), vocab, generator=torch.Generator().manual_seed(vocab))
         for s in SETTINGS:
             both = sampling.choose(logits, pos, sampling.Sampling(**s))
@@ -67,19 +68,19 @@ def test_noise_is_a_function_of_seed_position_and_token_alone():
 
 def test_noise_uniforms_are_uniform_and_independent():
     pos = torch.arange(64)
-    g = sampling.gumbel(sampling.seed_key(0), pos, 2048)
+    g = sampling.gumbel(noise.seed_key(0), pos, 2048)
     u = torch.exp(-torch.exp(-g))  # back to the hash's uniforms
     assert 0 < u.min() and u.max() < 1
     counts = torch.bincount((u * 100).long().flatten(), minlength=100)
     assert chi_square_p(counts, torch.full((100,), 0.01, dtype=torch.float64)) > 1e-6
     corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
     others = [u[:, 1:], u[1:, :]] + [
-        torch.exp(-torch.exp(-sampling.gumbel(sampling.seed_key(s), pos, 2048))) for s in (1, 2**40)]
+        torch.exp(-torch.exp(-sampling.gumbel(noise.seed_key(s), pos, 2048))) for s in (1, 2**40)]
     # neighbouring tokens, neighbouring positions, other seeds (a large one too)
     for other in others:
         assert corr(u[:other.shape[0], :other.shape[1]], other) < 0.02
     keys = [0, 1, 2**32, 2**32 + 1, 2**64, 2**40]  # large seeds do not wrap onto small ones
-    draws = [sampling.gumbel(sampling.seed_key(s), pos, 2048) for s in keys]
+    draws = [sampling.gumbel(noise.seed_key(s), pos, 2048) for s in keys]
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
 
 
@@ -154,12 +155,12 @@ def test_the_chi_square_check_catches_wrong_samplers(monkeypatch):
 def test_temperature_zero_is_greedy_and_a_seed_gives_its_tokens():
     model = tiny_model("ouro", 3, torch.float32)
     prompt = [1, 2, 3]
-    greedy = wfd.generate(model, prompt, 30, keep_logits=True)
+    greedy = engine.generate(model, prompt, 30, keep_logits=True)
     assert greedy.tokens == [int(x.argmax()) for x in greedy.logits]
-    assert wfd.generate(model, prompt, 30, temperature=0.0, seed=5).tokens == greedy.tokens
+    assert engine.generate(model, prompt, 30, temperature=0.0, seed=5).tokens == greedy.tokens
     logits = torch.stack(greedy.logits)
     assert torch.equal(sampling.choose(logits, torch.arange(30), sampling.Sampling()), logits.argmax(-1))
-    runs = [wfd.generate(model, prompt, 30, temperature=1.0, seed=s).tokens for s in (0, 0, 1)]
+    runs = [engine.generate(model, prompt, 30, temperature=1.0, seed=s).tokens for s in (0, 0, 1)]
     assert runs[0] == runs[1] and runs[0] != runs[2] and runs[0] != greedy.tokens
 
 
@@ -167,10 +168,10 @@ def test_filters_never_emit_a_filtered_token():
     model = tiny_model("huginn", 4, torch.float32)
     prompt = [9, 9, 2]
     for seed in range(3):
-        out = wfd.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed, keep_logits=True)
+        out = engine.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed, keep_logits=True)
         for tok, z in zip(out.tokens, out.logits):
             assert z[tok] >= z.topk(3).values[-1]
-        out = wfd.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed,
+        out = engine.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed,
                            keep_logits=True)
         assert any(int(z.argmax()) != t for t, z in zip(out.tokens, out.logits))  # it does sample
         for tok, z in zip(out.tokens, out.logits):
@@ -189,7 +190,7 @@ def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
     tokens of AR at its own width."""
     model = tiny_model(kind, seed, dtype)
     s, prompt, n_new = settings(seed), [4, 5, 6, 7][:1 + seed], 24
-    ar = wfd.generate(model, prompt, n_new, method="ar", **s)
+    ar = engine.generate(model, prompt, n_new, method="ar", **s)
     assert ar.stats["temperature"] == s["temperature"] and ar.stats["seed"] == s["seed"]
     for k in range(1, model.num_steps + 1):
         for method in ("wfd", "dtv"):
@@ -202,19 +203,19 @@ def test_sampled_wfd_and_dtv_equal_sampled_ar(kind, seed, dtype):
 def test_sampled_forced_drafts_still_give_ar(kind, seed):
     model = tiny_model(kind, seed)
     s, prompt, n_new = settings(seed), [1, 2, 3, 4], 25
-    ref = wfd.generate(model, prompt, n_new, method="ar", **s).tokens
+    ref = engine.generate(model, prompt, n_new, method="ar", **s).tokens
     at = lambda pos: ref[pos - len(prompt)]
     V, T = model.args.vocab_size, model.num_steps
     for k in range(1, T):
         for method in ("wfd", "dtv"):
-            right = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+            right = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                                  draft_hook=lambda p, t: at(p), **s)
             assert right.tokens == ref and right.stats["rejected"] == 0
-            wrong = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+            wrong = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                                  draft_hook=lambda p, t: (at(p) + 1) % V, **s)
             assert (wrong.tokens == ref and wrong.stats["accepted"] == 0
                     and wrong.stats["rejected"] > 0)
-            some = wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+            some = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                                 draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p),
                                 **s)
             assert some.tokens == ref and some.stats["accepted"] > 0 and some.stats["rejected"] > 0
@@ -224,14 +225,14 @@ def test_sampled_forced_drafts_still_give_ar(kind, seed):
 def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
     model = tiny_model(kind, seed)
     s, prompt = settings(seed), [5, 6, 7]
-    ref = wfd.generate(model, prompt, 30, method="ar", **s).tokens
+    ref = engine.generate(model, prompt, 30, method="ar", **s).tokens
     at = lambda pos: ref[pos - len(prompt)]
     for i in (0, 1, 7, 15):
         stop = ref.index(ref[i])
         for k in range(1, model.num_steps + 1):
             for method, hook in (("wfd", None), ("wfd", lambda p, t: at(p)),
                                  ("dtv", lambda p, t: at(p))):
-                out = wfd.generate(model, prompt, 30, method=method, draft_steps=k,
+                out = engine.generate(model, prompt, 30, method=method, draft_steps=k,
                                    eos_token_id=ref[i], draft_hook=hook, **s)
                 assert out.tokens == ref[:stop + 1], (method, k, i)
 
@@ -244,11 +245,11 @@ def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     s, prompt, n_new = settings(seed), [3, 1, 4, 1, 5][:1 + seed * 2], 24
     V = model.args.vocab_size
     for k in range(1, model.num_steps + 1):
-        ar = wfd.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, **s)
+        ar = engine.generate(model, prompt, n_new, method="ar", kv="shared", draft_steps=k, **s)
         at = lambda pos: ar.tokens[pos - len(prompt)]
         for hook in (None, lambda p, t: (at(p) + 1) % V,
                      lambda p, t: at(p) if p % 3 else (at(p) + 1) % V):
-            out = wfd.generate(model, prompt, n_new, kv="shared", draft_steps=k,
+            out = engine.generate(model, prompt, n_new, kv="shared", draft_steps=k,
                                draft_hook=hook, **s)
             assert out.tokens == ar.tokens, k
 
@@ -262,10 +263,10 @@ def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
     model = models.load(GOLDEN[name])
     with open(os.path.join(GOLDEN[name], "golden.json")) as f:
         prompt = json.load(f)["prompt_ids"]
-    ar = wfd.generate(model, prompt, 24, method="ar", num_steps=steps, **s)
+    ar = engine.generate(model, prompt, 24, method="ar", num_steps=steps, **s)
     for k in range(1, steps + 1):
         for method in ("wfd", "dtv"):
-            out = wfd.generate(model, prompt, 24, method=method, num_steps=steps,
+            out = engine.generate(model, prompt, 24, method=method, num_steps=steps,
                                draft_steps=k, **s)
             assert out.tokens == ar.tokens, (method, k)
 
@@ -284,7 +285,7 @@ def test_sampling_arguments_are_checked():
              (dict(temperature=1.0, seed=1.5), "seed must be")]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            wfd.generate(model, [1, 2], 5, **kwargs)
+            engine.generate(model, [1, 2], 5, **kwargs)
     # the initial state's seed, folded by the same seed_key, whose shifts never end on a negative
     with pytest.raises(ValueError, match="seed must be an integer >= 0, not -1"):
         models.from_config(tiny_config("ouro", 0), seed=-1)
@@ -301,7 +302,7 @@ def test_logits_that_are_not_finite_are_refused():
         model.lm_head.weight.data[entry, 0] = value
         for method, kwargs in (("ar", {}), ("wfd", dict(temperature=1.0, top_k=5, seed=3))):
             with pytest.raises(ValueError, match="the logits for position 2 are not finite"):
-                wfd.generate(model, [1, 2], 5, method=method, **kwargs)
+                engine.generate(model, [1, 2], 5, method=method, **kwargs)
     # in the decode loop: a NaN in the last logit of every read of the rows at position 4
     model = tiny_model("ouro", 0)
     c_body = model.c_body
@@ -314,7 +315,7 @@ def test_logits_that_are_not_finite_are_refused():
     model.c_body = damaged
     for method, kwargs in (("ar", {}), ("dtv", {}), ("wfd", dict(temperature=1.0, seed=3))):
         with pytest.raises(ValueError, match="the logits for position 5 are not finite"):
-            wfd.generate(model, [1, 2], 8, method=method, **kwargs)
+            engine.generate(model, [1, 2], 8, method=method, **kwargs)
 
 
 # -- the command lines -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of the second proposal (wfd.wavefront_siblings, docs/siblings.md): every row read at the
+"""Tests of the second proposal (engine/siblings.py, docs/siblings.md): every row read at the
 draft depth k and again at the second depth m, a sibling started where the two disagree, each
 sibling's keys in a branch column. Tokens and logits equal AR's at the same width, bit for bit, in
 every family and dtype, greedy and sampled, with drafts and second proposals forced wrong, EOS
@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-import kv
-import wfd
-from runtime import decoder
+from engine import kv_cache
+import engine
+from engine import model_runner
 from layers.transformer import VE_GATE_CHANNELS, value_gate
 from test_batch import prompts_for
 from test_families import KINDS, tiny_family
-from test_wfd import DTYPES, quick, same_logits, tiny_model
+from test_engine import DTYPES, quick, same_logits, tiny_model
 
 torch.set_num_threads(1)
 
@@ -40,14 +40,14 @@ def depths(T, every=False):
 def siblings(model, prompt, n_new, k, m, **kw):
     """The second proposal's output, checked against AR at its width through the same calls, and
     (not compiled) against plain AR at that width."""
-    out = wfd.generate(model, prompt, n_new, draft_steps=k, second_depth=m, keep_logits=True, **kw)
+    out = engine.generate(model, prompt, n_new, draft_steps=k, second_depth=m, keep_logits=True, **kw)
     kw.pop("draft_hook", None)
     kw.pop("width", None)
-    ref = wfd.generate(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
+    ref = engine.generate(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
                        width=out.stats["width"], keep_logits=True, **kw)
     assert same_logits(out, ref), (k, m, model.dtype, kw)
     if not kw.get("compile"):
-        plain = wfd.generate(model, prompt, n_new, method="ar", draft_steps=k,
+        plain = engine.generate(model, prompt, n_new, method="ar", draft_steps=k,
                              width=out.stats["width"], keep_logits=True, **kw)
         assert same_logits(out, plain), (k, m, model.dtype, kw)
     return out
@@ -78,7 +78,7 @@ def test_siblings_equal_ar_greedy_sampled_and_forced(kind, dtype):
     model = model_of(kind, seed, dtype)
     T, V, rng = model.num_steps, model.args.vocab_size, random.Random(seed)
     prompt, n_new = [rng.randrange(V) for _ in range(rng.randint(2, 7))], 20
-    plain = wfd.generate(model, prompt, n_new, method="ar", width=1)
+    plain = engine.generate(model, prompt, n_new, method="ar", width=1)
     for k, m in depths(T, every=dtype == torch.float64):
         out = siblings(model, prompt, n_new, k, m)
         if dtype == torch.float64:
@@ -100,7 +100,7 @@ def test_each_verify_is_counted_by_the_depth_its_kept_token_came_from():
     model = tiny_model("huginn", 0)
     T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [3, 1, 4, 1, 5], 40
     assert T == 4
-    ref = wfd.generate(model, prompt, n_new, method="ar").tokens
+    ref = engine.generate(model, prompt, n_new, method="ar").tokens
     for right in (False, True):
         calls = {None: 0, 2: 0}
 
@@ -108,7 +108,7 @@ def test_each_verify_is_counted_by_the_depth_its_kept_token_came_from():
             calls[depth] += 1
             want = ref[pos - len(prompt)]
             return want if right or depth else (want + 1) % V
-        out = wfd.generate(model, prompt, n_new, draft_steps=1, second_depth=2, width=5,
+        out = engine.generate(model, prompt, n_new, draft_steps=1, second_depth=2, width=5,
                            draft_hook=hook)
         st, verifies = out.stats, n_new - 2  # every committed token but the prefill's and the last
         assert out.tokens == ref and st["drafted"] == calls[None]
@@ -130,7 +130,7 @@ def test_siblings_stop_at_eos_wherever_it_lies(kind, dtype):
     model = model_of(kind, 1, dtype)
     T, V, prompt = model.num_steps, model.args.vocab_size, [5, 6, 7]
     k, m = 1, T - 1
-    ref = wfd.generate(model, prompt, 30, method="ar").tokens
+    ref = engine.generate(model, prompt, 30, method="ar").tokens
     for i in (1, 6, 11, 17):
         eos = ref[i]
         out = siblings(model, prompt, 30, k, m, eos_token_id=eos,
@@ -147,13 +147,13 @@ def test_batched_siblings_with_refill_equal_batched_ar(kind, dtype):
     model = model_of(kind, 2, dtype)
     T, V = model.num_steps, model.args.vocab_size
     prompts = prompts_for(model, 5, 3)
-    refs = wfd.generate(model, prompts, 14, method="ar", batch_size=2, keep_logits=True)
+    refs = engine.generate(model, prompts, 14, method="ar", batch_size=2, keep_logits=True)
     hook = lambda i, pos, token, depth=None: (forced(refs[1].tokens, prompts[1], V)(pos, token,
                                                                                    depth)
                                               if i == 1 else token)
-    outs = wfd.generate(model, prompts, 14, draft_steps=1, second_depth=T - 1, batch_size=2,
+    outs = engine.generate(model, prompts, 14, draft_steps=1, second_depth=T - 1, batch_size=2,
                         draft_hook=hook, keep_logits=True)
-    same = wfd.generate(model, prompts, 14, method="ar", draft_steps=1, second_depth=T - 1,
+    same = engine.generate(model, prompts, 14, method="ar", draft_steps=1, second_depth=T - 1,
                         batch_size=2, width=outs[0].stats["width"], keep_logits=True)
     assert all(same_logits(o, r) for o, r in zip(outs, same))
     assert outs[1].stats["rescued"] > 0
@@ -170,7 +170,7 @@ def test_shared_kv_siblings_equal_shared_ar(kind, dtype):
     model = model_of(kind, 3, dtype)
     T, V, prompt = model.num_steps, model.args.vocab_size, [3, 1, 4, 1, 5]
     for k, m in depths(T):
-        ref = wfd.generate(model, prompt, 24, method="ar", draft_steps=k, kv="shared").tokens
+        ref = engine.generate(model, prompt, 24, method="ar", draft_steps=k, kv="shared").tokens
         for hook in (None, forced(ref, prompt, V)):
             out = siblings(model, prompt, 24, k, m, kv="shared", draft_hook=hook)
             if hook:
@@ -181,20 +181,20 @@ def test_a_branch_the_rows_built_on_it_read_and_a_winner_settles():
     """The branch columns at work: a sibling's keys land in its branch's column, not its
     position's, the rows built on it read them there, and when it retires having won they move to
     its position's column, where later rows read them (a wrong redirect or a missed settle changes
-    the logits: the mutations of kv.redirect and KVCache.settle fail here)."""
+    the logits: the mutations of siblings.redirect and KVCache.settle fail here)."""
     model = model_of("huginn", 0, torch.float64)
     T, V, prompt = model.num_steps, model.args.vocab_size, [2, 7, 1, 8]
-    ref = wfd.generate(model, prompt, 24, method="ar").tokens
-    settled, settle = [], kv.KVCache.settle
+    ref = engine.generate(model, prompt, 24, method="ar").tokens
+    settled, settle = [], kv_cache.KVCache.settle
 
     def counting(self, slot, branch, pos):
         settled.append((branch, pos))
         return settle(self, slot, branch, pos)
-    kv.KVCache.settle = counting
+    kv_cache.KVCache.settle = counting
     try:
         out = siblings(model, prompt, 24, 1, T - 1, draft_hook=forced(ref, prompt, V))
     finally:
-        kv.KVCache.settle = settle
+        kv_cache.KVCache.settle = settle
     assert out.tokens == ref and settled and out.stats["rescued"] >= len(settled) > 0
 
 
@@ -210,11 +210,11 @@ def test_a_rows_bits_do_not_depend_on_its_lane(kind, dtype, monkeypatch):
     sigmoid, and the blocks' merge by logaddexp each failed it.)"""
     model = model_of(kind, 4, dtype)
     T, prompt = model.num_steps, [3, 1, 4, 1, 5, 9]
-    run = lambda method: wfd.generate(model, prompt, 16, method=method, draft_steps=1, width=12,
+    run = lambda method: engine.generate(model, prompt, 16, method=method, draft_steps=1, width=12,
                                       keep_logits=True)
     refs = {method: run(method) for method in ("ar", "wfd")}
     for shift in (1, 4, 7, 11):
-        monkeypatch.setattr(decoder.Decoder, "lane_of", lambda self, pos: (pos + shift) % self.width)
+        monkeypatch.setattr(model_runner.Decoder, "lane_of", lambda self, pos: (pos + shift) % self.width)
         for method, ref in refs.items():
             assert same_logits(run(method), ref), (method, shift)
 
@@ -241,8 +241,8 @@ def test_the_per_lane_ops_give_every_lane_the_same_bits(dtype):
             ks, vs = rand(blocks, n, 4, b, hd), rand(blocks, n, 4, b, hd)
             last = torch.randint(0, blocks * b, (n, 1), generator=g)
             seen = torch.arange(blocks * b)[None] <= last
-            call = lambda perm: kv.attend_blocks(q[perm], [
-                (ks[i][perm], vs[i][perm], kv.mask(seen[perm, i * b:(i + 1) * b], dtype))
+            call = lambda perm: kv_cache.attend_blocks(q[perm], [
+                (ks[i][perm], vs[i][perm], kv_cache.mask(seen[perm, i * b:(i + 1) * b], dtype))
                 for i in range(blocks)])
             ref = call(torch.arange(n))
             for lane in range(1, n):
@@ -265,10 +265,10 @@ def test_compiled_siblings_compile_nothing_and_equal_compiled_ar(kind, dtype, ca
     model = model_of(kind, 7, dtype)
     T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [5, 6, 7], capacity - 5
     k, m = 1, T - 1
-    run = lambda method, **kw: wfd.generate(model, prompt, n_new, method=method, draft_steps=k,
+    run = lambda method, **kw: engine.generate(model, prompt, n_new, method=method, draft_steps=k,
                                             second_depth=m, capacity=capacity, keep_logits=True,
                                             compile=True, **kw)
-    assert wfd.compile_graphs(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
+    assert engine.compile_graphs(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
                               capacity=capacity) > 0
     ref = run("ar")
     assert ref.stats["graphs_compiled"] == 0
@@ -282,6 +282,6 @@ def test_compiled_siblings_compile_nothing_and_equal_compiled_ar(kind, dtype, ca
         """Drafts wrong and second proposals right at a key block's first column, right
         elsewhere: the winning sibling there reads its own keys through its block's patch."""
         want = ref.tokens[pos - len(prompt)]
-        return (want + 1) % V if pos % kv.BLOCK == 0 and depth is None else want
+        return (want + 1) % V if pos % kv_cache.BLOCK == 0 and depth is None else want
     out = run("wfd", draft_hook=at_block_starts)
     assert same_logits(out, ref) and out.stats["rescued"] > 0

@@ -1,11 +1,12 @@
-"""The Decoder: how the schedules' calls (wfd.py) become the model's P, R and C calls.
+"""The model runner: how the schedules' calls (wfd.py) become the model's P, R and C calls.
 
 It runs the calls of several sequences together, in lanes of one fixed shape, so that a row computes
 the same bits in every schedule and beside any other rows (docs/exactness.md); it stages what the
 host sends each call without blocking the device, so that a tick reads the device once (the C
 call's tokens: docs/compiling.md); and it keeps the branch columns of the second proposal
-(BranchColumns, docs/siblings.md). The call bodies that compiled decoding compiles whole are here
-too: P with its rows' entry into their lanes (start_body), C with the choice of tokens (read_body).
+(siblings.BranchColumns, docs/siblings.md). The call bodies that compiled decoding compiles whole
+are here too: P with its rows' entry into their lanes (start_body), C with the choice of tokens
+(read_body).
 """
 import time
 import types
@@ -14,10 +15,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import kv
-from runtime import compiling, memory
-from runtime.sampling import M32, Sampling, choose, mix32
-from runtime.transfers import Staging, fetch
+from engine import compiling, memory
+from engine.sampling import Sampling, choose
+from engine.siblings import BranchColumns, Branches
+from engine.staging import Staging, fetch
+from layers.noise import M32, mix32
 
 
 @dataclass
@@ -29,6 +31,50 @@ class Readout:
     logits: torch.Tensor     # the read's logits [lanes, V], on the model's device
     lane: int                # this row's among them
     digest: int = None       # the hash of this row's logits' bits (read_body), when digested
+
+
+# -- the calls ------------------------------------------------------------------------------------
+
+class Call(NamedTuple):
+    """A call as the model's bodies read it (models.Call's fields), and what the engine's KV cache
+    reads of it besides (engine/kv_cache.py): the key blocks its rows can see (KVCache.span),
+    whether it runs compiled, the rows' branch columns (siblings.Branches), and, eager, the rows as
+    the host stages them, which then attend one by one (KVCache.prepare)."""
+    pos: torch.Tensor
+    depth: Optional[torch.Tensor]
+    cache: object
+    clock: Optional[torch.Tensor] = None
+    busy: bool = False  # every lane holds a row, as the host knows: no idle lane's state to keep
+    span: Optional[int] = None
+    compiled: bool = False
+    branches: Optional[Branches] = None
+    rows: Optional[list] = None
+
+    def given(self, rows, branches=None):
+        """The call with the host's rows and its branches; busy when the rows fill every lane."""
+        return self._replace(rows=rows, branches=branches,
+                             busy=self.busy or rows is not None and len(rows) == len(self.pos))
+
+
+def to_device(model, pos, depth, cache, compiled=False, top=None):
+    """A call's inputs as a Call on the device, its key blocks checked against the cache: with
+    `top`, the furthest row's position known on the host, pos and depth are on the device already
+    (staged); without, they are read (for the key blocks and Call.busy) and copied there."""
+    if top is not None:
+        return Call(pos, depth, cache, span=cache.span(top, bucket=compiled), compiled=compiled)
+    at = pos.tolist()  # one read, not one per element
+    span = cache.span(max(at), prefill=at[0] == 0, bucket=compiled)
+    move = lambda t: t.to(model.device) if torch.is_tensor(t) else t
+    return Call(move(pos), move(depth), cache, busy=min(at) >= 0, span=span, compiled=compiled)
+
+
+def recur(model, s, e, call):
+    """R: one recurrence of every row of the call, compiled or not (LoopFormer's clock runs on the
+    cache's full depth)."""
+    if model.clock is not None:
+        call = call._replace(clock=model.clock_table(call.cache.num_steps))
+    body = compiling.compiled(model, model.r_body) if call.compiled else model.r_body
+    return body(s, e, call)
 
 
 # -- the call bodies ------------------------------------------------------------------------------
@@ -82,18 +128,20 @@ def digest(logits, salt):
 
 class Lines(NamedTuple):
     """A call's int64 lines over its lanes, as the host fills them and the device reads them: pos,
-    each lane's row's position (-1: an idle lane); second, its depth (R) or its token (P), 0 when
-    idle. With branch columns: branch, the column the row writes (-1: its position's); q, j
-    [lanes, width], its redirects: the positions (-1: none) whose keys it reads from branch j."""
+    each lane's row's position (-1: an idle lane); the second line, named depth in an R call and
+    token in a P call: its depth or its token, 0 when idle. With branch columns: branch, the column
+    the row writes (-1: its position's); q, j [lanes, width], its redirects: the positions (-1:
+    none) whose keys it reads from branch j."""
     pos: object
-    second: object
+    depth: object
+    token: object
     branch: Optional[object] = None
     q: Optional[object] = None
     j: Optional[object] = None
 
     @staticmethod
     def rows(width, branching):
-        """The rows of a staged chunk: pos and second; with branches, branch, then q and j."""
+        """The rows of a staged chunk: pos, depth or token; with branches, branch, then q and j."""
         return 3 + 2 * width if branching else 2
 
     @staticmethod
@@ -101,46 +149,9 @@ class Lines(NamedTuple):
         """A staged chunk [rows, lanes] (numpy on the host, a tensor on the device) as Lines of
         views of it."""
         if not branching:
-            return Lines(chunk[0], chunk[1])
+            return Lines(chunk[0], chunk[1], chunk[1])
         q, j = chunk[3:3 + width], chunk[3 + width:]
-        return Lines(chunk[0], chunk[1], chunk[2], q.T, j.T)
-
-
-class BranchColumns:
-    """The host's bookkeeping of the branch columns (the second proposal, docs/siblings.md). A row
-    started at a position where a row of its sequence is in flight writes its keys to a branch
-    column of its own (place); the rows built on it read that position's keys there (redirects);
-    when it retires having won, read at full depth, its keys move to its position's column, where
-    the rows after it read them (settle). Invariant, which has every row read its own ancestors'
-    keys and no other row's:
-    - a column is held by at most one row in flight of its sequence;
-    - every ancestor in flight that holds a column is redirected, up to the oldest row;
-    - a winner settles in the C call that retires it, before the next call is staged."""
-
-    def __init__(self, cache, width):
-        self.cache, self.width = cache, width
-
-    def place(self, row, in_flight):
-        """Give `row`, just given its lane, the lowest column its sequence's rows in flight leave
-        free, when another of them holds its position."""
-        if any(r.pos == row.pos and r.lane is not None and r is not row for r in in_flight):
-            held = {r.branch for r in in_flight if r.branch is not None}
-            row.branch = min(set(range(self.width)) - held)
-
-    @staticmethod
-    def redirects(row):
-        """(position, column) of this row and of its ancestors in flight that hold a column: where
-        it reads those positions' keys."""
-        while row is not None:
-            if row.branch is not None:
-                yield row.pos, row.branch
-            row = row.parent
-
-    def settle(self, slot, rows, full_depth):
-        """The rows of slot's sequence read at full depth and holding a column: the winners."""
-        for r in rows:
-            if r.branch is not None and r.depth == full_depth:
-                self.cache.settle(slot, r.branch, r.pos)
+        return Lines(chunk[0], chunk[1], chunk[1], chunk[2], q.T, j.T)
 
 
 # -- the Decoder -----------------------------------------------------------------------------------
@@ -156,8 +167,8 @@ class Decoder:
     (docs/exactness.md), whoever shares the call. branching: the second proposal's branch columns
     (BranchColumns).
 
-    The schedules' calls come as runs: each a sequence (`run.seq`, a wfd.Sequence) and the call it
-    waits for (`run.waits.rows`)."""
+    The schedules' calls come as runs: each a sequence (`run.seq`, a sequence.Sequence) and the
+    call it waits for (`run.waits.rows`)."""
 
     def __init__(self, model, slots, capacity, *, num_steps, width, window=None,
                  sampling=Sampling(), compile=False, digest=False, branching=False):
@@ -166,9 +177,9 @@ class Decoder:
         allocate = memory.static_cache if compile else memory.new_cache
         self.cache = allocate(model, capacity, num_steps, window, slots, width * branching)
         self.branches = BranchColumns(self.cache, width) if branching else None
-        # P with the rows' entry into their lanes, and C with the choice of tokens (R: model.R)
+        # P with the rows' entry into their lanes, and C with the choice of tokens (R: recur)
         self.start_call, self.read_call = start_body, read_body
-        if compile:  # each call may meet every power of two of the key blocks (kv.KVCache.span)
+        if compile:  # each call may meet every power of two of the key blocks (KVCache.span)
             room = len(self.cache.buckets())
             self.start_call, self.read_call, _ = (
                 compiling.compiled(model, fn, room) for fn in (start_body, read_body, model.r_body))
@@ -187,34 +198,33 @@ class Decoder:
         seq.slot, seq.t0 = slot, time.perf_counter()
         self.keys[slot * self.width:(slot + 1) * self.width].fill_(seq.key)
         n, cache = len(seq.prompt), self.cache.slot(slot)
-        pos = torch.arange(n)
-        e, s = self.model.P(torch.tensor(seq.prompt), pos, cache)
+        call = to_device(self.model, torch.arange(n), None, cache)  # span 0: causal, no blocks
+        e, s = self.model.p_body(torch.tensor(seq.prompt, device=self.model.device), call)
         for d in range(self.num_steps):
-            s = self.model.R(s, e, pos, d, cache)
+            s = recur(self.model, s, e, call._replace(depth=d))
         seq.stats["r_calls"] += self.num_steps
         seq.stats["rows"] += n * self.num_steps
         seq.stats["c_calls"] += 1
         sampler = self.sampler._replace(key=self.keys[slot * self.width])
-        call = self.model.to_device(pos, None, cache)
         logits, chosen = read_body(self.model, s, e, call, sampler, [n - 1], self.salt)
         token, finite, *digest = fetch(chosen[:, 0])
         return seq.commit(Readout(token, bool(finite), logits, 0, *digest))
 
-    def stage(self, rows, second=None):
+    def stage(self, rows, value=None):
         """A call's Lines, filled from its rows and sent to the device, and the call itself: its
-        kv.Branches (or None) and its furthest position. second(row): the second line's value of a
-        row (its depth, its token)."""
+        siblings.Branches (or None) and its furthest position. value(row): the second line's value
+        of a row (its depth, its token)."""
         lines = self.staging.next()
         lines.pos.fill(-1)
-        lines.second.fill(0)
+        lines.depth.fill(0)
         lowest = self.cache.scratch  # the first redirected position (scratch: none)
         if self.branches:
             for line in (lines.branch, lines.q, lines.j):
                 line.fill(-1)
         for r in rows:
             lines.pos[r.lane] = r.pos
-            if second:
-                lines.second[r.lane] = second(r)
+            if value:
+                lines.depth[r.lane] = value(r)
             if self.branches:
                 lines.branch[r.lane] = -1 if r.branch is None else r.branch
                 for i, (q, j) in enumerate(self.branches.redirects(r)):
@@ -225,7 +235,7 @@ class Decoder:
             # compiled: every block patched, one graph; eager: those from the first redirected
             # (from scratch's block: none)
             gather = None if self.compiled else lowest // self.cache.block
-            branches = kv.Branches(sent.branch, sent.q, sent.j, gather)
+            branches = Branches(sent.branch, sent.q, sent.j, gather)
         return sent, branches, max(r.pos for r in rows)
 
     def probe(self, top):
@@ -239,17 +249,34 @@ class Decoder:
         call holds it."""
         return pos % self.width
 
-    def rows_alone(self, rows, depth=lambda r: 0):
+    def rows_alone(self, rows):
         """An eager call's rows, (lane, position, depth, branch, redirects) each, for their
-        attention (models.Call): on a CPU, or in one lane."""
+        attention (Call.rows): on a CPU, or in one lane."""
         if self.compiled or self.lanes > 1 and self.model.device.type != "cpu":
             return None
         moved = self.branches.redirects if self.branches else lambda r: ()
-        return [(r.lane, r.pos, depth(r), r.branch, tuple(moved(r))) for r in rows]
+        return [(r.lane, r.pos, r.depth, r.branch, tuple(moved(r))) for r in rows]
 
-    def call(self, sent, top, branches, rows=()):
-        return self.model.to_device(sent.pos, None, self.cache, self.compiled, top).given(
+    def call(self, sent, top, branches, rows=(), depth=None):
+        """The Call of staged lines; depth: an R call's, on the device (sent.depth)."""
+        return to_device(self.model, sent.pos, depth, self.cache, self.compiled, top).given(
             self.rows_alone(rows), branches)
+
+    def warm_up(self):
+        """Every graph a compiled generation of this decoder can meet: P, R and C once for each
+        number of key blocks a call can read (KVCache.buckets), as a call whose furthest row
+        reaches them; three calls each (on CUDA the first warms up and the second records the CUDA
+        graph). Their writes land in the static cache, which every generation zeroes."""
+        for blocks in self.cache.buckets():
+            top = min(blocks * self.cache.block, self.cache.capacity) - 1
+            if top < 1:  # position 0 is the prefill's
+                continue
+            sent, branches, _ = self.probe(top)  # its token and its depth: zeros
+            call = self.call(sent, top, branches)
+            for _ in range(3):
+                self.start_call(self.model, sent.token, call, self.s, self.e)
+                recur(self.model, self.s, self.e, call._replace(depth=sent.depth))
+                self.read_call(self.model, self.s, self.e, call, self.sampler, salt=self.salt)
 
     def start(self, runs):
         """P: the rows the sequences started, each in its lane (the other lanes idle, and kept), a
@@ -265,10 +292,10 @@ class Decoder:
                 if self.branches:
                     self.branches.place(row, rows)
         starting = [row for run in runs for row in run.seq.starting]
-        sent, branches, top = self.stage(starting, second=lambda r: r.token)
+        sent, branches, top = self.stage(starting, value=lambda r: r.token)
         for run in runs:
             run.seq.starting = []
-        self.s, self.e = self.start_call(self.model, sent.second,
+        self.s, self.e = self.start_call(self.model, sent.token,
                                          self.call(sent, top, branches, starting), self.s, self.e)
 
     def advance(self, runs):
@@ -279,20 +306,19 @@ class Decoder:
         if starting:
             self.start(starting)
         rows = [r for run in runs for r in run.waits.rows]
-        sent, branches, top = self.stage(rows, second=lambda r: r.depth)
-        alone = self.rows_alone(rows, lambda r: r.depth)
-        for r in rows:
+        sent, branches, top = self.stage(rows, value=lambda r: r.depth)
+        call = self.call(sent, top, branches, rows, depth=sent.depth)
+        for r in rows:  # the row's depth, raised here: after this call it is one recurrence deeper
             r.depth += 1
         t0 = time.perf_counter()
-        self.s = self.model.R(self.s, self.e, sent.pos, sent.second, self.cache, self.compiled,
-                              top=top, branches=branches, rows=alone)
+        self.s = recur(self.model, self.s, self.e, call)
         seconds = time.perf_counter() - t0
         for run in runs:
             seq, rows = run.seq, run.waits.rows
-            if seq.trace is not None:  # one entry per R call: (position, depth reached, identity,
+            if seq.trace is not None:  # one entry per R call: (position, depth reached, serial,
                 # token) of each row, and the marks of its tick (Sequence.mark)
                 index = {"index": seq.index} if seq.batched else {}
-                seq.entry = dict(rows=[(r.pos, r.depth, id(r), r.token) for r in rows], **index)
+                seq.entry = dict(rows=[(r.pos, r.depth, r.serial, r.token) for r in rows], **index)
                 seq.trace.append(seq.entry)
             seq.stats["r_calls"] += 1
             seq.stats["rows"] += len(rows)

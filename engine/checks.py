@@ -7,16 +7,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import kv
-from runtime.sampling import Sampling
-
-
-def default_draft_steps(model, num_steps=None):
-    """The draft depth k the checkpoint recommends for its own T (the demo has one), else the
-    paper's max(1, T // 8)."""
-    if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
-        return model.config["wfd_draft_steps"]
-    return max(1, (num_steps or model.num_steps) // 8)
+from engine import kv_cache
+from engine.sampling import Sampling
+from wfd import default_draft_steps
 
 
 def prompt_list(prompt_ids):
@@ -223,4 +216,4 @@ def compiled_capacity(model, positions):
     """Compiled decoding's default capacity: a power of two of at least one key block, so that
     prompts of many lengths share a few caches and their graphs (attention reads only the
     written blocks)."""
-    return min(model.args.max_seq_len, max(kv.BLOCK, 1 << (positions - 1).bit_length()))
+    return min(model.args.max_seq_len, max(kv_cache.BLOCK, 1 << (positions - 1).bit_length()))

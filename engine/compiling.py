@@ -1,12 +1,13 @@
 """torch.compile's plumbing for compiled decoding (docs/compiling.md): each call's device work
 compiled at fixed shapes, the recompile limit raised to fit the graphs a generation may add, CUDA
-graphs replayed with their outputs copied out, and a decoder's graphs made before they are timed."""
+graphs replayed with their outputs copied out (a decoder's graphs are made before they are timed
+by model_runner.Decoder.warm_up)."""
 from functools import partial
 
 import torch
 from torch._dynamo.utils import counters
 
-from runtime import transfers
+from engine import staging
 
 
 def compiled(model, fn, room=0):
@@ -14,7 +15,7 @@ def compiled(model, fn, room=0):
     per shape, on a CPU a C++ wrapper (quicker to enter). room: the graphs fn may still add in the
     caller's generation."""
     if fn not in model._compiled:
-        model._compiled[fn] = compile_call(fn, graphs=model.device.type in transfers.CUDA_PATH)
+        model._compiled[fn] = compile_call(fn, graphs=model.device.type in staging.CUDA_PATH)
     if room:
         make_room(fn, room)
     return model._compiled[fn]
@@ -33,20 +34,20 @@ def compile_call(fn, graphs):
 
 
 def sums_written_out(device):
-    """Whether compiled attention on `device` writes its products and sums out (kv.block_attention's
-    sums) rather than calling einsum and SDPA. On a CPU inductor's C++ loops sum in an order set
-    by the shapes alone, so every graph sums a row alike, and the fused loop reads each row's keys
-    where they lie. On the CUDA path each graph's Triton kernels fuse those sums with their
-    neighbours, which differ between a graph of one key bucket and of another: on an H200 a row's
-    bits then depended on its call's bucket (deterministic mode or not). einsum and SDPA are aten
-    kernels, the same in every graph."""
-    return device.type not in transfers.CUDA_PATH
+    """Whether compiled attention on `device` writes its products and sums out
+    (kv_cache.block_attention's sums) rather than calling einsum and SDPA. On a CPU inductor's C++
+    loops sum in an order set by the shapes alone, so every graph sums a row alike, and the fused
+    loop reads each row's keys where they lie. On the CUDA path each graph's Triton kernels fuse
+    those sums with their neighbours, which differ between a graph of one key bucket and of another:
+    on an H200 a row's bits then depended on its call's bucket (deterministic mode or not). einsum
+    and SDPA are aten kernels, the same in every graph."""
+    return device.type not in staging.CUDA_PATH
 
 
 def make_room(fn, graphs):
     """Under fullgraph, a compile past dynamo's recompile limit raises: raise the limit, before a
     generation, above the graphs fn has plus those the generation may add. Their number is bounded
-    by the calls' shapes (widths, caches, kv.KVCache.span's powers of two, the sampler's
+    by the calls' shapes (widths, caches, kv_cache.KVCache.span's powers of two, the sampler's
     filters)."""
     config, n = torch._dynamo.config, len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn))
     config.recompile_limit = max(config.recompile_limit, n + graphs)
@@ -64,32 +65,13 @@ def replay(graphed, *args, **kwargs):
     return out.clone()
 
 
-def warm_up(dec):
-    """Every graph a compiled generation of runtime.decoder.Decoder `dec` can meet: P, R and C once for
-    each number of key blocks a call can read (kv.KVCache.buckets), as a call whose furthest row
-    reaches them; three calls each (on CUDA the first warms up and the second records the CUDA
-    graph). Their writes land in the static cache, which every generation zeroes."""
-    model, cache = dec.model, dec.cache
-    for blocks in cache.buckets():
-        top = min(blocks * cache.block, cache.capacity) - 1
-        if top < 1:  # position 0 is the prefill's
-            continue
-        sent, branches, _ = dec.probe(top)  # sent.second: its ids and its depths, zeros
-        call = dec.call(sent, top, branches)
-        for _ in range(3):
-            dec.start_call(model, sent.second, call, dec.s, dec.e)
-            model.R(dec.s, dec.e, sent.pos, sent.second, cache, compiled=True, top=top,
-                    branches=branches)
-            dec.read_call(model, dec.s, dec.e, call, dec.sampler, salt=dec.salt)
-
-
 def cuda_graph_counts(device):
     """CUDA graphs re-recorded and skipped so far in this process (0 and inductor's skip count
     off CUDA): cudagraph trees re-record a graph whose static inputs moved (a KV cache at a new
     address, where it is not guarded), and inductor skips graphs it cannot take (they run
     without CUDA graphs). Both must stay 0 while a compiled generation runs."""
     skipped = counters["inductor"]["cudagraph_skips"]
-    if device.type not in transfers.CUDA_PATH:
+    if device.type not in staging.CUDA_PATH:
         return 0, skipped
     from torch._inductor import cudagraph_trees
     manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)

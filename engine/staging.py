@@ -9,7 +9,7 @@ counting it."""
 import torch
 
 # the device types that take the CUDA path: staging through a ring of chunks with events (below),
-# compiled calls replaying CUDA graphs (runtime.compiling). The tests' imitation of that path on a
+# compiled calls replaying CUDA graphs (engine/compiling.py). The tests' imitation of that path on a
 # CPU (tests/test_cuda_path.py) adds "cpu"; the CPU path is otherwise never told from it.
 CUDA_PATH = {"cuda"}
 
