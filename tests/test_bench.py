@@ -205,6 +205,42 @@ def test_compiled(capsys):
             in text)
 
 
+def test_a_run_is_labelled_with_the_models_own_device(capsys, monkeypatch):
+    """bench.py's header names the model's own GPU on any CUDA device (its index given to
+    torch.cuda.get_device_name, a stand-in here: cuda:1, while cuda:0 is current), with no CPU
+    threads and, compiled, with CUDA graphs; the CPU's name and threads on cpu alone. The run is
+    a CPU's, its summary printed again as if the model were on cuda:1 (--device cuda:1
+    --compile). (test_sweep_batch: the figures' label of a sweep run on cuda:1.)"""
+    gpus = ["GPU zero", "GPU one"]
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: gpus[0 if device is None else device.index])
+
+    class OnCuda1:  # the model, on cuda:1
+        device = torch.device("cuda", 1)
+
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+    summary = bench.print_summary
+
+    def both(model, *a):
+        summary(model, *a)
+        args = a[-3]
+        args.device, args.compile = "cuda:1", True
+        summary(OnCuda1(model), *a)
+    monkeypatch.setattr(bench, "print_summary", both)
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    _, text = run_bench(capsys, ["--random-weights", config, "--methods", "wfd", "--num-prompts",
+                                 "1", "--prompt-len", "4", "--max-new-tokens", "4",
+                                 "--batch-size", "1", "--warmup", "0", "--out", ""])
+    on_cpu, on_gpu = text.split("## bench.py: ")[1:]
+    assert f"UTC; {bench.cpu_name()}, 1 CPU thread(s); torch" in on_cpu
+    assert "UTC; GPU one; torch" in on_gpu and "CPU thread" not in on_gpu
+    assert "; compiled (torch.compile, CUDA graphs), KV capacity" in on_gpu
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     """gpu_check.sh, the GPU checks, in its CPU smoke mode, under this interpreter: its steps'
@@ -505,6 +541,10 @@ def test_sweep_batch(capsys, tmp_path):
     assert png_size(tmp_path / "b.png") == bench.figures.PIXELS
     text = bench.figures.text(saved)
     assert "greedy, each point's batch" in text and bench.figures.BATCH_LEGEND in text
+    assert f"UTC; {saved['machine']}, {saved['threads']} CPU thread(s); torch" in text
+    # run on cuda:1: its GPU's name, no CPU threads
+    assert "UTC; GPU one; torch" in bench.figures.text(dict(saved, device="cuda:1",
+                                                            machine="GPU one"))
 
 
 # -- the second proposal --------------------------------------------------------------------------
