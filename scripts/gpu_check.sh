@@ -122,13 +122,15 @@ step() {
 }
 
 # pytest_step NAME ARGS...: pytest on the device, -v: each case's verdict in RESULTS/NAME.txt as it
-# ends, and its start and end in RESULTS/NAME.cases
+# ends, and its start and end in RESULTS/NAME.cases (the plugin imported from scripts/ by a name
+# of its own: a package named scripts installed on the machine would hide scripts.NAME)
 pytest_step() {
-    local name=$1
+    local name=$1 path="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
     shift
     rm -f "$RESULTS/$name.cases"
     step "$name" "${ESTIMATE[$name]}" env WFD_TEST_DEVICE=$device \
-        GPU_CHECK_CASES="$RESULTS/$name.cases" "$PY" -m pytest -v -p scripts.gpu_check_cases "$@"
+        GPU_CHECK_CASES="$RESULTS/$name.cases" PYTHONPATH="$path" "$PY" -m pytest -v \
+        -p gpu_check_cases "$@"
 }
 
 # the machine as the run found it, printed first

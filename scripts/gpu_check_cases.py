@@ -1,7 +1,8 @@
-"""A pytest plugin of gpu_check.sh (`-p scripts.gpu_check_cases`): each case's start and end, a
-line each ("start NODEID", "end NODEID"), written at once to the file GPU_CHECK_CASES names, so
-that a step killed by its timeout can name the cases it was running. pytest -v names a case
-only as it ends under pytest-xdist, whose controller hears both hooks from its workers."""
+"""A pytest plugin of gpu_check.sh (`-p gpu_check_cases`, scripts/ on PYTHONPATH): each case's
+start and end, a line each ("start NODEID", "end NODEID"), written at once to the file
+GPU_CHECK_CASES names, so that a step killed by its timeout can name the cases it was running.
+pytest -v names a case only as it ends under pytest-xdist, whose controller hears both hooks
+from its workers."""
 import os
 
 cases = None
