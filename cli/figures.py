@@ -113,8 +113,9 @@ def text(sweep):
     prompts = "each point's length" if s["sweep"] == "length" else s["prompt_source"]
     # a file from before batched decoding has no batch_size: it ran one prompt at a time
     batch = "each point's batch" if s["sweep"] == "batch" else batch_text(s.get("batch_size"))
+    machine = machine_text(s["device"], s["machine"], s["threads"])
     return (f"## bench.py {sweep_flag(s['sweep'])}: {s['model']}{emulated}\n\n"
-            f"- {s['date']}; {machine_text(s['device'], s['machine'], s['threads'])}; torch {s['torch']}; {s['dtype']}; "
+            f"- {s['date']}; {machine}; torch {s['torch']}; {s['dtype']}; "
             f"{s['clock']} clock\n- `{s['command']}`\n"
             f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts "
             f"({prompts}), up to {s['max_new_tokens']} new tokens, "

@@ -35,7 +35,8 @@ class Staging:
     CUDA) copied with non_blocking=True; a chunk is filled again only after its copy has run (the
     event `record(device)` made as it was issued), since the device may be several calls behind.
     On a CPU the host array is the device tensor itself, used by the call before the next one is
-    filled. `copy` and `record` are seams for the tests' stand-in stream (tests/test_cuda_path.py)."""
+    filled. `copy` and `record` are seams for the tests' stand-in stream
+    (tests/test_cuda_path.py)."""
     ring = 64
     copy = staticmethod(copy_async)
     record = staticmethod(cuda_event)
