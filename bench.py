@@ -314,8 +314,9 @@ SWEEPS = {"acceptance": ("acceptance", float), "draft-steps": ("draft_steps", in
           "second-depth": ("second_depth", int)}
 
 def machine(device):
-    """The GPU's name, or the CPU's model name as lscpu prints it."""
-    return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    """The name of the GPU that `device` (the model's, with its index) is, or the CPU's model name
+    as lscpu prints it."""
+    return torch.cuda.get_device_name(device) if figures.on_gpu(device) else cpu_name()
 
 
 def sweep_points(model, args, prompts=None):
@@ -413,7 +414,7 @@ def run_sweep(model, model_id, names, args, argv, log):
         again = summarize(run_all(model, prompts, ["ar"], a, log)[0]["ar"])["tok_s"]
     return dict(
         sweep=args.sweep, x_label=figures.AXES[args.sweep][1], ar_again_tok_s=again,
-        model=model_id, machine=machine(args.device), device=args.device,
+        model=model_id, machine=machine(model.device), device=args.device,
         threads=torch.get_num_threads(), torch=torch.__version__,
         dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
         command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
@@ -486,7 +487,7 @@ def host_time(model, args, log):
                 figures_us[method, slots] = 1e6 * (time.perf_counter() - t0) / len(ticks)
             log(f"host time: {method} through {slots} slot(s): {len(ticks)} ticks, "
                 f"{figures_us[method, slots]:.1f} us each")
-    print(f"Host time per tick ({machine(args.device)}, 1 thread, wall clock; the model's calls "
+    print(f"Host time per tick ({machine(model.device)}, 1 thread, wall clock; the model's calls "
           f"returning at once, {n_new} tokens per prompt, drafts right with "
           f"probability {accept}): " + "; ".join(
               f"{METHODS[m][3]} {figures_us[m, 1]:.1f} us at 1 slot, {figures_us[m, 8]:.1f} us at 8"
@@ -802,8 +803,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     k = (checks.default_draft_steps(model, args.steps) if args.draft_steps is None
          else args.draft_steps)
     emulated = f", emulated acceptance A={args.acceptance}" if args.acceptance is not None else ""
-    device = machine(args.device) + ("" if args.device == "cuda"
-                                     else f", {torch.get_num_threads()} CPU thread(s)")
+    device = figures.machine_text(model.device, machine(model.device), torch.get_num_threads())
     print(f"## bench.py: {model_id}{emulated}\n")
     print(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {device}; torch "
           f"{torch.__version__}; {str(model.dtype).replace('torch.', '')}; {args.clock} clock")
@@ -811,7 +811,7 @@ def print_summary(model, model_id, prompts, source, names, results, compile_s, a
     print(f"- T={T}, k={k}, DtV draft length {args.draft_len}; {len(prompts)} prompts ({source}), "
           f"up to {args.max_new_tokens} new tokens, "
           f"{decoding(args)}, {figures.batch_text(args.batch_size)}{fewer_slots(results, args)}"
-          + (f"; compiled (torch.compile{', CUDA graphs' if args.device == 'cuda' else ''}), KV "
+          + (f"; compiled ({figures.compiled_text(model.device)}), KV "
              f"capacity {args.capacity}" if args.compile else "") + "\n")
     by_cat = defaultdict(list)
     for i, p in enumerate(prompts):

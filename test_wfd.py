@@ -14,6 +14,7 @@ import models
 import wfd
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "testdata")
+DEVICE = os.environ.get("WFD_TEST_DEVICE", "cpu")  # cuda: scripts/gpu_check.sh
 FAMILIES = ["ouro_A", "huginn_A", "parcae_A", "loopformer_A", "raven_A"]
 # golden: (T, greedy tokens, cached logits, their tolerance) of the official cached generation
 GENERATION = {"huginn_A": (8, "tokens_generated", "gen_logits_cached_steps8", 1e-3),
@@ -25,7 +26,7 @@ slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)  # the whol
 
 
 def load(name, dtype=None):
-    return models.load(os.path.join(TESTDATA, name), dtype=dtype,
+    return models.load(os.path.join(TESTDATA, name), device=DEVICE, dtype=dtype,
                        state_init=STATE.get(name, "random"))
 
 
@@ -53,7 +54,7 @@ def test_reference_ar_is_the_official_cached_generation(name):
     out = wfd.generate(model, meta["prompt_ids"], N_NEW, method="ar", num_steps=T,
                        keep_logits=True)
     assert out.tokens == g[tokens].tolist()
-    assert torch.allclose(torch.stack(out.logits), g[logits], atol=atol, rtol=1e-4)
+    assert torch.allclose(torch.stack(out.logits).cpu(), g[logits], atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name,dtype", [("ouro_A", torch.float64), ("huginn_A", torch.float64),

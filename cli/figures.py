@@ -52,6 +52,22 @@ def batch_text(batch_size):
             else f"batch {batch_size} (slots refilled as sequences finish)")
 
 
+def on_gpu(device):
+    """Whether `device`, a torch.device or its name ("cpu", "cuda", "cuda:1"), is a CUDA device."""
+    return str(device).partition(":")[0] == "cuda"
+
+
+def machine_text(device, machine, threads):
+    """Where a run ran, as its header says: on a CUDA device (any index) the GPU's name, `machine`
+    (bench.machine names the model's own GPU), on a CPU the CPU's and its threads."""
+    return machine if on_gpu(device) else f"{machine}, {threads} CPU thread(s)"
+
+
+def compiled_text(device):
+    """What compiled a run's calls on `device`: CUDA graphs replayed on any CUDA device."""
+    return "torch.compile" + (", CUDA graphs" if on_gpu(device) else "")
+
+
 def ideal_speedup(T, k, acceptance):
     """The wavefront's ideal speedup T / (A*k + (1-A)*T); 1 at k = T, where it has no drafts
     to accept."""
@@ -93,13 +109,13 @@ def text(sweep):
     s = sweep
     emulated = ("" if s["emulated_acceptance"] is None
                 else f", emulated acceptance A={s['emulated_acceptance']}")
-    threads = "" if s["device"] == "cuda" else f", {s['threads']} CPU thread(s)"
     depth = "" if s["sweep"] == "draft-steps" else f", k={s['points'][0]['k']}"
     prompts = "each point's length" if s["sweep"] == "length" else s["prompt_source"]
     # a file from before batched decoding has no batch_size: it ran one prompt at a time
     batch = "each point's batch" if s["sweep"] == "batch" else batch_text(s.get("batch_size"))
+    machine = machine_text(s["device"], s["machine"], s["threads"])
     return (f"## bench.py {sweep_flag(s['sweep'])}: {s['model']}{emulated}\n\n"
-            f"- {s['date']}; {s['machine']}{threads}; torch {s['torch']}; {s['dtype']}; "
+            f"- {s['date']}; {machine}; torch {s['torch']}; {s['dtype']}; "
             f"{s['clock']} clock\n- `{s['command']}`\n"
             f"- T={s['T']}{depth}, DtV draft length {s['draft_len']}; {s['prompts']} prompts "
             f"({prompts}), up to {s['max_new_tokens']} new tokens, "

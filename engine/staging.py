@@ -22,6 +22,12 @@ def cuda_event(device):
     return event
 
 
+def copy_async(device_chunk, host_chunk):
+    """host_chunk copied to device_chunk without blocking the host: issued on the device's current
+    stream, it runs when the device reaches it, before the calls issued after it."""
+    device_chunk.copy_(host_chunk, non_blocking=True)
+
+
 class Staging:
     """Per-call int64 inputs for the device: `next()` hands out a chunk of host arrays (numpy) for
     the host to fill, `send()` returns it on the device, both as views(chunk) (default: a tuple of
@@ -29,8 +35,10 @@ class Staging:
     CUDA) copied with non_blocking=True; a chunk is filled again only after its copy has run (the
     event `record(device)` made as it was issued), since the device may be several calls behind.
     On a CPU the host array is the device tensor itself, used by the call before the next one is
-    filled."""
+    filled. `copy` and `record` are seams for the tests' stand-in stream
+    (tests/test_cuda_path.py)."""
     ring = 64
+    copy = staticmethod(copy_async)
     record = staticmethod(cuda_event)
 
     def __init__(self, device, rows, size, views=tuple):
@@ -57,7 +65,7 @@ class Staging:
     def send(self):
         """The chunk filled since next(), on the device, as views(chunk)."""
         if self.cuda:  # stream-ordered: the calls that read this chunk's last copy came before
-            self.device[self.i].copy_(self.host[self.i], non_blocking=True)
+            self.copy(self.device[self.i], self.host[self.i])
             self.events[self.i] = self.record(self.device.device)
         return self.lines[self.i]
 

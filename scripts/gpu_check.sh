@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check in one command, sized for one lent device run: 15 minutes of device time in all,
 # the machine's start included, and at most 10 minutes a command, so this script keeps within
-# BUDGET_S seconds (default 540). The steps run in order of what a GPU run must tell first; each
-# writes its results to RESULTS (default gpu_results/) as it ends (RESULTS/steps.txt: one line per
-# step, its status and seconds), and a step whose estimate no longer fits the time left is skipped
-# (named on stderr), so a run cut short keeps what it measured. Random weights are drawn on the
+# BUDGET_S seconds (default 540). The steps run in order of what a GPU run must tell first, each
+# its output to RESULTS (default: $OUT where it is set, the folder a device run hands back, else
+# gpu_results/) and to stdout as it comes (python unbuffered), and its line in RESULTS/steps.txt
+# as it ends (its status and seconds). A step whose estimate no longer fits the time left is
+# skipped (named on stderr), and each is killed at the end of the budget (TIMEOUT_S: sooner), so a
+# run cut short keeps what it saw: the test steps run pytest -v, each case's verdict written as it
+# ends, and a test step killed names the cases it was running (scripts/gpu_check_cases.py). It
+# installs nothing: a lent machine reaches no package registry. Random weights are drawn on the
 # GPU. Estimates on an H200 (cuda-path and tests measured there, the rest not yet), compiling
 # included. With pytest-xdist installed (the lent machines have it) the two test steps run their
 # tests in 8 processes:
+#   env       the device, torch and Triton versions, free memory, pytest-xdist or not        ~20 s
 #   cuda-path the imitation's matrix for real (tests/test_cuda_path.py on cuda: CUDA graphs through
 #             compiling.replay, pinned staging in a ring of 2 with CUDA events, the CUDA-graph
 #             counters): every family equal to compiled AR and eager AR's tokens, in each of greedy,
@@ -16,28 +21,29 @@
 #   tests     the other cuda tests that matter: static KV buffers kept, CUDA graphs
 #             taken, one blocking transfer per tick, compiled WFD == compiled AR across every key
 #             bucket, a row's bits independent of its lane (what the second proposal rests
-#             on), eager WFD == AR on SDPA's fused kernels                                  ~90 s
+#             on), eager WFD == AR on SDPA's fused kernels (TESTS="ID ...": those instead)  ~90 s
 #   huginn-c  huginn-0125 config, bf16, emulated acceptance 0.94, AR and WFD, 64 new tokens,
 #             compiled (CUDA graphs; fails when a timed run compiled or re-recorded a graph) ~110 s
 #   ouro-c    the same for Ouro-2.6B at acceptance 0.92 (its 48-layer R graph)            ~130 s
 #   huginn    huginn-c eager (every R call 634 kernels: the dispatcher's speed), ~30 s: STEPS only
-#   ouro      ouro-c eager (6,941 per R call)                                              ~35 s
+#   ouro      ouro-c eager (6,941 per R call), ~35 s: STEPS only
 #   batch     the batch sweep (--batch-sizes 1,4) on huginn-0125, compiled, 32 tokens     ~40 s
 #   parcae    parcae-1.3b, compiled, acceptance 0.9                                        ~20 s
 #   paper     bench.py --paper, compiled, one prompt per category, 64 tokens, its answers kept, on
 #             the checkpoints in PAPER_MODELS="DIR ..." (a GPU machine may reach no hub)
 #             ~90 s each (none without PAPER_MODELS)
 #   scripts/gpu_check.sh               the steps above (STEPS="huginn-c ouro-c": those alone)
-#   scripts/gpu_check.sh --smoke       every step small on the CPU, in seconds, and a check that
-#                                      the estimates above fit the budget (tests/test_bench.py)
+#   scripts/gpu_check.sh --smoke       the bench steps small on the CPU, in seconds, and a check
+#                                      that the estimates above fit the budget (tests/test_bench.py)
 #   PYTHON=/path/to/python             the interpreter (default: python)
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the project
+export PYTHONUNBUFFERED=1  # each line in the results as it is printed, even from a step killed
 PY=${PYTHON:-python}
-RESULTS=${RESULTS:-gpu_results}
-ALL="cuda-path tests huginn-c ouro-c ouro batch parcae paper"
-declare -A ESTIMATE=([cuda-path]=115 [tests]=90 [huginn-c]=110 [ouro-c]=130 [ouro]=35 [batch]=40
-                     [parcae]=20 [paper]=0 [huginn]=30)  # the last: by STEPS only
+RESULTS=${RESULTS:-${OUT:-gpu_results}}
+ALL="env cuda-path tests huginn-c ouro-c batch parcae paper"
+declare -A ESTIMATE=([env]=20 [cuda-path]=115 [tests]=90 [huginn-c]=110 [ouro-c]=130 [batch]=40
+                     [parcae]=20 [paper]=0 [huginn]=30 [ouro]=35)  # the last two: by STEPS only
 start=$SECONDS failed=0
 GPU_BUDGET_S=540
 if [ "${1:-}" = --smoke ]; then
@@ -51,7 +57,7 @@ if [ "${1:-}" = --smoke ]; then
     BUDGET_S=${BUDGET_S:-100000}
     device=cpu new=6 huginn=tests/testdata/huginn_A/config.json ouro=tests/testdata/ouro_A/config.json
     parcae=tests/testdata/parcae_A/config.json batches=1,2 tests="tests/test_compile.py::test_compiled_schedules_compile_nothing_and_equal_compiled_ar"
-    steps=${STEPS:-huginn-c ouro-c huginn ouro batch parcae paper}
+    steps=${STEPS:-env huginn-c ouro-c huginn ouro batch parcae paper}
 else
     BUDGET_S=${BUDGET_S:-$GPU_BUDGET_S}
     device=cuda new=64 huginn=configs/huginn-0125.json ouro=configs/ouro-2.6b.json
@@ -60,13 +66,33 @@ else
            tests/test_compile.py::test_compiled_wfd_equals_compiled_ar_across_every_key_bucket
            tests/test_families.py::test_one_blocking_transfer_per_tick_on_every_family
            tests/test_siblings.py::test_a_rows_bits_do_not_depend_on_its_lane
-           test_wfd.py::test_eager_decoding_runs_on_fused_attention_kernels_alone"
+           tests/test_engine.py::test_eager_decoding_runs_on_fused_attention_kernels_alone
+           test_wfd.py::test_every_schedule_gives_ar_at_every_draft_depth
+           test_wfd.py::test_the_engine_gives_the_references_tokens"
     steps=${STEPS:-$ALL}
 fi
+tests=${TESTS:-$tests}
 mkdir -p "$RESULTS"
 
-# step NAME ESTIMATE_S COMMAND...: runs COMMAND into RESULTS/NAME.txt if its estimate fits the
-# time left; status 0 when it ran and passed
+# killed NAME LIMIT: the line a step killed by its timeout ends with; for a test step, the cases
+# it had started and not ended (RESULTS/NAME.cases)
+killed() {
+    local cases="$RESULTS/$1.cases" running
+    if [ -n "$(tail -c 1 "$RESULTS/$1.txt")" ]; then
+        echo  # cut mid-line (pytest -v writes a case's name as it starts): that line ends here
+    fi
+    if [ ! -f "$cases" ]; then
+        echo "gpu_check: $1 killed by its timeout ($2 s)"
+        return
+    fi
+    running=$(grep -Fvxf <(sed -n 's/^end //p' "$cases") <(sed -n 's/^start //p' "$cases") |
+              paste -sd ' ')
+    echo "gpu_check: $1 killed by its timeout ($2 s) while running: ${running:-no case}"
+}
+
+# step NAME ESTIMATE_S COMMAND...: runs COMMAND if its estimate fits the time left, its stdout
+# into RESULTS/NAME.txt and stdout, its stderr into RESULTS/NAME.err and stderr, each line as it
+# comes; killed at the end of the budget (or after TIMEOUT_S). Status 0 when it ran and passed
 step() {
     local name=$1 estimate=$2
     shift 2
@@ -76,19 +102,55 @@ step() {
         echo "$name: skipped" >> "$RESULTS/steps.txt"
         return 1
     fi
+    local limit=$((left - 5))  # and 5 s more for a step that ignores the TERM before its KILL
+    if [ -n "${TIMEOUT_S:-}" ] && [ "$TIMEOUT_S" -lt "$limit" ]; then
+        limit=$TIMEOUT_S
+    fi
     echo "gpu_check: $name (about ${estimate} s, ${left} s left)" >&2
     local t0=$SECONDS rc
-    timeout "$left" "$@" > "$RESULTS/$name.txt" 2> "$RESULTS/$name.err"
-    rc=$?
-    echo "$name: exit $rc in $((SECONDS - t0)) s" >> "$RESULTS/steps.txt"
-    cat "$RESULTS/$name.txt"
+    timeout -k 5 "$limit" "$@" 2> >(tee "$RESULTS/$name.err" >&2) | tee "$RESULTS/$name.txt"
+    rc=${PIPESTATUS[0]}
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        echo "$name: killed by its timeout after $((SECONDS - t0)) s" >> "$RESULTS/steps.txt"
+        killed "$name" "$limit" | tee -a "$RESULTS/$name.txt"
+    else
+        echo "$name: exit $rc in $((SECONDS - t0)) s" >> "$RESULTS/steps.txt"
+    fi
     if [ $rc -ne 0 ]; then
         echo "gpu_check: $name failed (exit $rc): $RESULTS/$name.err" >&2
-        tail -n 5 "$RESULTS/$name.err" >&2
         failed=1
         return 1
     fi
 }
+
+# pytest_step NAME ARGS...: pytest on the device, -v: each case's verdict in RESULTS/NAME.txt as it
+# ends, and its start and end in RESULTS/NAME.cases (the plugin imported from scripts/ by a name
+# of its own: a package named scripts installed on the machine would hide scripts.NAME)
+pytest_step() {
+    local name=$1 path="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+    shift
+    rm -f "$RESULTS/$name.cases"
+    step "$name" "${ESTIMATE[$name]}" env WFD_TEST_DEVICE=$device \
+        GPU_CHECK_CASES="$RESULTS/$name.cases" PYTHONPATH="$path" "$PY" -m pytest -v \
+        -p gpu_check_cases "$@"
+}
+
+# the machine as the run found it, printed first
+ENVIRONMENT='
+import importlib.util, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+try:
+    import triton
+    print(f"Triton {triton.__version__}")
+except ImportError:
+    print("Triton not installed")
+print("pytest-xdist", "installed" if importlib.util.find_spec("xdist") else "not installed")
+for i in range(torch.cuda.device_count()):
+    free, total = torch.cuda.mem_get_info(i)
+    print(f"cuda:{i} {torch.cuda.get_device_name(i)}: {free / 2**30:.1f} GiB free of "
+          f"{total / 2**30:.1f}")
+if not torch.cuda.is_available():
+    print("no CUDA device")'
 
 # bench NAME CONFIG ACCEPTANCE [FLAGS...]: AR against WFD on a real config, random weights
 bench() {
@@ -121,14 +183,13 @@ case " $steps " in
 esac
 for s in $steps; do
     case $s in
+        env) step env "${ESTIMATE[env]}" "$PY" -c "$ENVIRONMENT" ;;
         # the imitation switched off: its cases on the GPU, all of them in 8 processes where
         # pytest-xdist is installed, else the quick suite's
         # shellcheck disable=SC2086  # the flags and test ids are words
-        cuda-path) step cuda-path "${ESTIMATE[cuda-path]}" env WFD_TEST_DEVICE=$device "$PY" -m \
-                       pytest -q $parallel tests/test_cuda_path.py ;;
+        cuda-path) pytest_step cuda-path $parallel tests/test_cuda_path.py ;;
         # shellcheck disable=SC2086
-        tests) step tests "${ESTIMATE[tests]}" env WFD_TEST_DEVICE=$device "$PY" -m pytest -q \
-                   --runslow ${parallel:+-n 8} $tests ;;
+        tests) pytest_step tests --runslow ${parallel:+-n 8} $tests ;;
         huginn-c) compiled huginn-c "$huginn" 0.94 ;;
         ouro-c) compiled ouro-c "$ouro" 0.92 ;;
         huginn) bench huginn "$huginn" 0.94 --eager ;;

@@ -1,5 +1,6 @@
 """Smoke tests of bench.py: a few seconds on the golden checkpoints and on tiny random-weight
 models. They check the table and the answer files, never timings."""
+import importlib.util
 import json
 import os
 import re
@@ -205,17 +206,60 @@ def test_compiled(capsys):
             in text)
 
 
+def test_a_run_is_labelled_with_the_models_own_device(capsys, monkeypatch):
+    """bench.py's header names the model's own GPU on any CUDA device (its index given to
+    torch.cuda.get_device_name, a stand-in here: cuda:1, while cuda:0 is current), with no CPU
+    threads and, compiled, with CUDA graphs; the CPU's name and threads on cpu alone. The run is
+    a CPU's, its summary printed again as if the model were on cuda:1 (--device cuda:1
+    --compile). (test_sweep_batch: the figures' label of a sweep run on cuda:1.)"""
+    gpus = ["GPU zero", "GPU one"]
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: gpus[0 if device is None else device.index])
+
+    class OnCuda1:  # the model, on cuda:1
+        device = torch.device("cuda", 1)
+
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+    summary = bench.print_summary
+
+    def both(model, *a):
+        summary(model, *a)
+        args = a[-3]
+        args.device, args.compile = "cuda:1", True
+        summary(OnCuda1(model), *a)
+    monkeypatch.setattr(bench, "print_summary", both)
+    config = os.path.join(HERE, "testdata", "ouro_A", "config.json")
+    _, text = run_bench(capsys, ["--random-weights", config, "--methods", "wfd", "--num-prompts",
+                                 "1", "--prompt-len", "4", "--max-new-tokens", "4",
+                                 "--batch-size", "1", "--warmup", "0", "--out", ""])
+    on_cpu, on_gpu = text.split("## bench.py: ")[1:]
+    assert f"UTC; {bench.cpu_name()}, 1 CPU thread(s); torch" in on_cpu
+    assert "UTC; GPU one; torch" in on_gpu and "CPU thread" not in on_gpu
+    assert "; compiled (torch.compile, CUDA graphs), KV capacity" in on_gpu
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     """gpu_check.sh, the GPU checks, in its CPU smoke mode, under this interpreter: its steps'
     estimates fit the device run's budget; the configs benchmarked, exact, and AR set against the
     bandwidth bound, compiled (nothing compiled, re-recorded or skipped in the timed runs) and
-    eager; the batch sweep, a row per batch size; every step's results in RESULTS."""
+    eager; the batch sweep, a row per batch size; every step's results in RESULTS, the machine's
+    (versions, pytest-xdist or not) first."""
     env = dict(os.environ, PYTHON=sys.executable, RESULTS=str(tmp_path))
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"],
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert re.search(r"the steps' estimates sum to \d+ s of 540 s", done.stderr)
+    triton, xdist = (importlib.util.find_spec(name) for name in ("triton", "xdist"))
+    triton = triton and importlib.import_module("triton")
+    assert (tmp_path / "env.txt").read_text() == (
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}\n"
+        f"Triton {triton.__version__ if triton else 'not installed'}\n"
+        f"pytest-xdist {'installed' if xdist else 'not installed'}\nno CUDA device\n")
     assert done.stdout.count("Bandwidth bound: ") == 5 and done.stdout.count("| WFD | ") == 5
     nothing = ("during the timed runs of 3 answers: {'graphs_compiled': 0, "
                "'cuda_graphs_rerecorded': 0, 'cuda_graphs_skipped': 0}")
@@ -227,8 +271,30 @@ def test_gpu_check_smoke(tmp_path):
     assert "OUTPUT DIFFERS" not in done.stderr
     steps = (tmp_path / "steps.txt").read_text()
     assert [line.split(":")[0] for line in steps.splitlines()] == [
-        "huginn-c", "huginn-c-check", "ouro-c", "ouro-c-check", "huginn", "ouro", "batch",
+        "env", "huginn-c", "huginn-c-check", "ouro-c", "ouro-c-check", "huginn", "ouro", "batch",
         "parcae", "parcae-check"]
+
+
+def test_gpu_check_keeps_the_verdicts_of_a_step_cut_short(tmp_path):
+    """A test step killed by its timeout (TIMEOUT_S here) leaves in OUT, the folder a device run
+    hands back, and on stdout each ended case's verdict, and names the case it was running."""
+    cases, out = tmp_path / "cases", tmp_path / "out"
+    cases.mkdir()
+    (cases / "test_cut.py").write_text("import time\n\n\ndef test_ends():\n    pass\n\n\n"
+                                       "def test_hangs():\n    time.sleep(300)\n")
+    (cases / "conftest.py").write_text(  # the test step's flag, in a folder of its own
+        "def pytest_addoption(parser):\n    parser.addoption('--runslow', action='store_true')\n")
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), STEPS="tests",
+               TESTS=str(cases / "test_cut.py"), TIMEOUT_S="10")
+    env.pop("RESULTS", None)
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 1, done.stderr
+    text = (out / "tests.txt").read_text()
+    killed = "gpu_check: tests killed by its timeout (10 s) while running: test_cut.py::test_hangs"
+    assert re.search(r"test_cut.py::test_ends PASSED", text) and text.endswith(f"\n{killed}\n")
+    assert done.stdout == text
+    assert (out / "steps.txt").read_text().startswith("tests: killed by its timeout after ")
 
 
 def test_real_configs():
@@ -505,6 +571,10 @@ def test_sweep_batch(capsys, tmp_path):
     assert png_size(tmp_path / "b.png") == bench.figures.PIXELS
     text = bench.figures.text(saved)
     assert "greedy, each point's batch" in text and bench.figures.BATCH_LEGEND in text
+    assert f"UTC; {saved['machine']}, {saved['threads']} CPU thread(s); torch" in text
+    # run on cuda:1: its GPU's name, no CPU threads
+    assert "UTC; GPU one; torch" in bench.figures.text(dict(saved, device="cuda:1",
+                                                            machine="GPU one"))
 
 
 # -- the second proposal --------------------------------------------------------------------------

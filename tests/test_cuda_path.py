@@ -1,10 +1,12 @@
 """The CUDA path run before a GPU (docs/compiling.md): on a CPU the `imitation` fixture sends every
 generation down the path that CUDA takes, compiled calls through torch.compile's mode
-"reduce-overhead" and `compiling.replay` (on a CPU inductor skips only the graph capture), the
-staging ring of several chunks with stand-in events, and the CUDA-graph counters. Under it every
-family gives compiled AR's tokens and logits, bit for bit, and eager AR's tokens, greedy, sampled,
-with the second proposal, batched with refill and with shared KV. With WFD_TEST_DEVICE=cuda
-(gpu_check.sh) the same tests run on the GPU for real: CUDA graphs, pinned staging, CUDA events."""
+"reduce-overhead" and `compiling.replay` (on a CPU inductor skips only the graph capture; a
+stand-in pool overwrites each replay's outputs at the next), the staging ring of several chunks on
+a stand-in stream whose copies land only when their events are waited on, and the CUDA-graph
+counters. Under it every family gives compiled AR's tokens and logits, bit for bit, and eager
+AR's tokens, greedy, sampled, with the second proposal, batched with refill and with shared KV.
+With WFD_TEST_DEVICE=cuda (gpu_check.sh) the same tests run on the GPU for real: CUDA graphs,
+pinned staging, CUDA events."""
 import functools
 import random
 
@@ -21,23 +23,76 @@ from test_siblings import FAMILIES, model_of
 from test_engine import DEVICE, same_logits
 
 
-class Waits:
-    """The staging events of the generations under the imitation: each one made for a device, and
-    the waits on them (a chunk filled again before a read let the host catch up). On CUDA real
-    events, counted."""
+class CopyStream:
+    """The stream that the staging's copies run on. On a CPU a stand-in that keeps a GPU's order:
+    a copy is in flight from its issue until an event recorded after it is waited on (copies land
+    in order, whatever the tick's reads do); the calls read what it copied, as on a GPU, where they
+    run after it on its stream. It notes in `faults` a host chunk copied again while its last copy
+    was in flight: the host had written it, and on a GPU that copy, run late, would carry the new
+    contents to the call before (wrong tokens, with no error). It notes too a wait for a copy past
+    the chunk's own: on a GPU the host would then wait for the device at every call, where the ring
+    lets it run `ring - 1` copies ahead. On CUDA: the real copies and events, the waits counted."""
 
-    def __init__(self, record):
-        self.record, self.devices, self.count = record, [], 0
+    def __init__(self, cuda):
+        self.cuda, self.devices, self.waits, self.faults = cuda, [], 0, []
+        self.issued, self.landed = [], 0  # the host chunks copied, in order; the copies landed
+        self.last = {}  # a host chunk's address: the index of its last copy
 
-    def __call__(self, device):
+    def copy(self, device_chunk, host_chunk):
+        if self.cuda:
+            return staging.copy_async(device_chunk, host_chunk)
+        n, last = len(self.issued), self.last.get(host_chunk.data_ptr())
+        if last is not None and last >= self.landed:
+            self.faults.append(f"copy {n}: its chunk was written while copy {last} was in flight")
+        elif last is not None and self.landed > last + 1:
+            self.faults.append(f"copy {n}: the host waited for copy {self.landed - 1}, past its "
+                               f"chunk's copy {last}")
+        device_chunk.copy_(host_chunk)
+        self.issued.append(host_chunk)  # kept alive: no later chunk takes its address
+        self.last[host_chunk.data_ptr()] = n
+
+    def record(self, device):
+        """An event after the copies issued so far: waited on, they have landed."""
         self.devices.append(device)
-        waits, event = self, self.record(device)
+        stream, event = self, staging.cuda_event(device) if self.cuda else len(self.issued)
 
-        class Counted:
+        class Event:
             def synchronize(self):
-                waits.count += 1
-                return event and event.synchronize()
-        return Counted()
+                stream.waits += 1
+                if stream.cuda:
+                    return event.synchronize()
+                stream.landed = max(stream.landed, event)
+        return Event()
+
+
+class GraphMemory:
+    """CUDA graphs' output memory, on a CPU: a graph compiled for CUDA graphs (mode
+    "reduce-overhead") hands out its outputs in memory of the graphs' pool, which the next replay
+    of any graph overwrites (cudagraph trees share one pool). Here it fills every output handed
+    out before with NaN (-1: integers, True: bools) as a replay begins, so that an output read
+    after the next replay, not copied out first (compiling.replay), reads garbage."""
+    handed = []  # the outputs of the last replay
+
+    @classmethod
+    def compile(cls, compile):
+        """torch.compile, its graphs for CUDA graphs handing out their outputs as above."""
+        def compile_graph(fn, *args, options=None, **kwargs):
+            compiled = compile(fn, *args, options=options, **kwargs)
+            return cls.graph(compiled) if (options or {}).get("triton.cudagraphs") else compiled
+        return compile_graph
+
+    @classmethod
+    def graph(cls, compiled):
+        def replayed(*args, **kwargs):
+            for t in cls.handed:
+                t.fill_(float("nan") if t.is_floating_point() else -1)
+            out = compiled(*args, **kwargs)
+            # the pool's copies: an output of inductor's may be an input of the call
+            pooled = tuple(None if t is None else t.clone()
+                           for t in (out if isinstance(out, tuple) else [out]))
+            cls.handed = [t for t in pooled if t is not None]
+            return pooled if isinstance(out, tuple) else pooled[0]
+        return replayed
 
 
 class StandInManager:
@@ -47,24 +102,47 @@ class StandInManager:
 
 @pytest.fixture
 def imitation(monkeypatch):
-    """The CUDA path on this device: on a CPU, the path's device check passes for "cpu" too, and
-    cudagraph trees' manager is a stand-in; the staging ring holds 2 chunks (fewer than the calls
-    between two reads of every schedule here, so that a chunk waits on its event), its events
-    counted (Waits). The replays are counted: yields (Waits, replays)."""
+    """The CUDA path on this device: on a CPU, the path's device check passes for "cpu" too, the
+    staging copies on a stand-in stream (CopyStream), torch.compile's CUDA-graph outputs live in
+    a stand-in pool (GraphMemory), and cudagraph trees' manager is a stand-in. The staging ring
+    holds 2 chunks (fewer than the calls between two reads of every schedule here, so that a
+    chunk waits on its event). The replays are counted: yields (CopyStream, replays)."""
+    stream = CopyStream(cuda=DEVICE == "cuda")
     if DEVICE != "cuda":
         from torch._inductor import cudagraph_trees
         monkeypatch.setattr(staging, "CUDA_PATH", staging.CUDA_PATH | {"cpu"})
         monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists:
                             StandInManager())
-    waits = Waits(staging.Staging.record if DEVICE == "cuda" else lambda device: None)
+        monkeypatch.setattr(torch, "compile", GraphMemory.compile(torch.compile))
     monkeypatch.setattr(staging.Staging, "ring", 2)
-    monkeypatch.setattr(staging.Staging, "record", staticmethod(waits))
+    monkeypatch.setattr(staging.Staging, "copy", staticmethod(stream.copy))
+    monkeypatch.setattr(staging.Staging, "record", staticmethod(stream.record))
     # replay begins each call with a step mark, looked up as it runs: counted even in a graph
     # compiled in an earlier test (family_model)
     replays, mark = [], torch.compiler.cudagraph_mark_step_begin
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
                         lambda: replays.append(1) or mark())
-    yield waits, replays
+    yield stream, replays
+
+
+def test_the_staging_writes_a_chunk_only_after_its_copy_and_waits_for_no_later_one(monkeypatch):
+    """A ring of 3 chunks sent 10 times on the stand-in stream, with no read between: each chunk
+    is written again only once its last copy has landed (its event waited on, an event recorded
+    after the copy), and no later copy is waited for, so that 2 copies stay in flight; each call
+    reads what its chunk was filled with."""
+    stream = CopyStream(cuda=False)
+    monkeypatch.setattr(staging, "CUDA_PATH", {"cuda", "cpu"})
+    monkeypatch.setattr(staging.Staging, "ring", 3)
+    monkeypatch.setattr(staging.Staging, "copy", staticmethod(stream.copy))
+    monkeypatch.setattr(staging.Staging, "record", staticmethod(stream.record))
+    ring = staging.Staging(torch.device("cpu"), 2, 4)
+    for n in range(10):
+        for line in ring.next():
+            line[:] = n
+        assert all(torch.equal(line, torch.full((4,), n)) for line in ring.send())
+        assert stream.faults == [] and stream.landed == max(0, n - 2)
+    assert stream.waits == 7 and set(stream.devices) == {
+        torch.device("cpu")}
 
 
 def test_replay_copies_every_tensor_and_passes_none_through():
@@ -102,7 +180,7 @@ def matrix():
 def test_the_cuda_path_equals_ar(kind, case, imitation):
     """WFD (DtV too, greedy) through the CUDA path, drafts forced wrong at every fourth position:
     compiled AR's tokens and logits at the same width, bit for bit, and eager AR's tokens."""
-    waits, replays = imitation
+    stream, replays = imitation
     model = family_model(kind)
     T, V = model.num_steps, model.args.vocab_size
     batched, quick = case == "batched", QUICK[kind] == case
@@ -131,8 +209,8 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
             assert o.stats["compiled"] and o.stats["cuda_graphs_rerecorded"] == 0
             if DEVICE == "cuda":
                 assert o.stats["cuda_graphs_skipped"] == 0
-    assert replays and waits.count > 0
-    assert set(waits.devices) == {model.device}
+    assert replays and stream.waits > 0 and stream.faults == []
+    assert set(stream.devices) == {model.device}
 
 
 def test_compiled_attention_on_the_cuda_path_runs_on_aten_kernels(monkeypatch):
