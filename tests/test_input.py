@@ -1,0 +1,53 @@
+"""What a user types, at its edges: bytes that are not text, a byte-order mark, Ctrl-C in a sweep
+and a sweep run again, a run resumed after an --overwrite cut short, refusals made before the model
+loads, the wavefront's picture when Python gives a row's id to a later row, and messages that name
+only flags, files and commands that exist."""
+import os
+
+import pytest
+import torch
+
+from cli.output import draw_wavefront
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OURO_A = os.path.join(HERE, "testdata", "ouro_A")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # the commands set one thread for the tiny models
+
+
+def refused(capsys, script, argv):
+    """The one line a command refuses argv with (exit status 2, nothing on stdout)."""
+    with pytest.raises(SystemExit) as exit_:
+        script.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "", err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err.rstrip("\n")
+
+
+# -- the wavefront's picture ----------------------------------------------------------------------
+
+# T = 4, k = 2: each position drafts at depth 2 and commits at 4. The row of position 12 takes the
+# id (7) of position 10's, gone after its commit, as CPython's id() does; its draft is dropped and
+# it starts again from depth 1, under the same id again
+REUSED = [dict(rows=[(10, 1, 7, 5)]), dict(rows=[(10, 2, 7, 5)], drafted=[7]),
+          dict(rows=[(10, 3, 7, 5), (11, 1, 8, 6)]),
+          dict(rows=[(10, 4, 7, 5), (11, 2, 8, 6)], drafted=[8]),
+          dict(rows=[(11, 3, 8, 6), (12, 1, 7, 9)], accepted=[8]),
+          dict(rows=[(11, 4, 8, 6), (12, 2, 7, 9)], drafted=[7]),
+          dict(rows=[(12, 1, 7, 9)])]
+
+
+def test_the_wavefront_puts_each_row_on_its_own_line():
+    """No cell lies on the line of a position committed before it, nor on another row's."""
+    picture = draw_wavefront(REUSED, [5, 6, 9], 10, 4, 2, str)
+    lines = [line.split() for line in picture.splitlines() if line.startswith("#")]
+    assert [line[:2] for line in lines] == [["#1", "5"], ["#2", "6"], ["#3", "9"], ["#3", "9"]]
+    assert [line[2:] for line in lines] == [["1", "2d", "3", "4="], ["1", "2d", "3+", "4="],
+                                            ["1", "2-d"], ["1"]], picture
