@@ -179,7 +179,7 @@ def main(argv=None):
         if text:
             text.show()
         else:
-            print(f"[{method}] {text_of(tok, out)}")
+            print(f"[{name}] {text_of(tok, out)}")
         print(stats_line(name, stats))
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str

@@ -3,11 +3,16 @@ and a sweep run again, a run resumed after an --overwrite cut short, refusals ma
 loads, the wavefront's picture when Python gives a row's id to a later row, and messages that name
 only flags, files and commands that exist."""
 import os
+import re
 
 import pytest
 import torch
 
+import bench
+import run
+from cli import args as cli_args
 from cli.output import draw_wavefront
+from formats import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,3 +56,34 @@ def test_the_wavefront_puts_each_row_on_its_own_line():
     assert [line[:2] for line in lines] == [["#1", "5"], ["#2", "6"], ["#3", "9"], ["#3", "9"]]
     assert [line[2:] for line in lines] == [["1", "2d", "3", "4="], ["1", "2d", "3+", "4="],
                                             ["1", "2-d"], ["1"]], picture
+
+
+# -- messages name what exists --------------------------------------------------------------------
+
+def test_the_offline_hint_names_the_hubs_command():
+    """huggingface_hub 1.x and later install `hf`, not huggingface-cli."""
+    from huggingface_hub import errors
+    hint = checkpoints.hub_error("a/b", errors.OfflineModeIsEnabled("offline"))
+    assert "(hf download a/b)" in hint
+
+
+def test_the_memory_hint_names_flags_that_exist():
+    """Each flag the out-of-memory line names is one of both commands, or of the one named with
+    it."""
+    flags = {"run.py": vars(run.parse_args(["--prompt", "x"])),
+             "bench.py": vars(bench.parse_args([]))}
+    hint = cli_args.MEMORY_HINT
+    own = re.findall(r"(\w+\.py) --([\w-]+)", hint)
+    shared = re.findall(r"(?<!py) --([\w-]+)", hint)
+    assert own and shared
+    for script, flag in own:
+        assert flag.replace("-", "_") in flags[script]
+    for flag in shared:
+        assert all(flag.replace("-", "_") in parsed for parsed in flags.values())
+
+
+def test_method_all_labels_each_text_by_its_run(capsys):
+    run.main(["--prompt", "def f(x):", "--method", "all", "--max-new-tokens", "3"])
+    # the text's line of each run, not its stats line
+    labels = re.findall(r"^\[([\w-]+)\] (?!\d+ tokens, )", capsys.readouterr().out, re.M)
+    assert labels == ["ar1", "ar", "wfd", "ar-dtv", "dtv"]
