@@ -51,7 +51,7 @@ from cli.answers import Answers
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
                       compiling_line, naming, one_line_errors, resolve_compile, set_threads)
 from cli.output import finite, token_match
-from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
+from cli.prompts import read_questions, random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
 from formats.checkpoints import load_tokenizer, read_json
 from runtime import checks, decoder, memory
@@ -628,7 +628,7 @@ def prompt_format(args, model_id, log):
 
 def load_prompts(model, model_id, args, log):
     if args.questions:
-        cats = set(args.categories.split(",")) if args.categories else None
+        cats = categories(args)
         fmt = prompt_format(args, model_id, log)
         with naming("--questions", args.questions):
             prompts = specbench_prompts(model, args.questions, cats, args.per_category,
@@ -655,6 +655,10 @@ def load_prompts(model, model_id, args, log):
                          f"context of {model.args.max_seq_len} positions with "
                          f"--max-new-tokens {args.max_new_tokens}")
     return fits[:args.limit], source
+
+
+def categories(args):
+    return set(args.categories.split(",")) if args.categories else None
 
 
 def check_batch_size(batch_size, prompts, flag="--batch-size"):
@@ -1005,6 +1009,8 @@ def main(argv=None):
     # plain AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS
                       if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
+    if args.questions:  # its mistakes refused now; read again with the model's tokenizer
+        read_questions(args.questions, categories(args), args.per_category)
     model, model_id = load_model(args, log)
     if args.host_time:
         torch.set_num_threads(1)

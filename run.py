@@ -18,7 +18,7 @@ import wfd
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
                       compiling_line, naming, one_line_errors, resolve_compile, set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
-from cli.prompts import default_eos, read_prompt, read_prompts
+from cli.prompts import default_eos, line_named, prompt_lines, read_prompt, read_prompts
 from formats.checkpoints import load_tokenizer
 from runtime import checks, memory
 
@@ -76,16 +76,14 @@ def compile_runs(model, prompts, runs, settings, args, batch_size=None):
     print(compiling_line(graphs, time.perf_counter() - t0, model.device), file=sys.stderr)
 
 
-def decode_file(args, model, method, width, settings):
-    """--prompts-file: every prompt through --batch-size slots, each answer printed as its
-    prompt finishes."""
-    lines, prompts, eos = read_prompts(args, model)
+def decode_file(args, model, lines, method, width, settings):
+    """--prompts-file: every prompt (lines: prompt_lines's) through --batch-size slots, each answer
+    printed as its prompt finishes."""
+    lines, prompts, eos = read_prompts(args, model, lines)
     for n, prompt in zip(lines, prompts):  # a prompt's mistake named by its line, before any output
-        try:
+        with line_named(args.prompts_file, n):
             checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width,
                               eos_token_id=eos, second_depth=args.second_depth, **settings)
-        except ValueError as err:
-            raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
     checks.check_args(model, prompts, args.max_new_tokens, method=method, width=width,
                       eos_token_id=eos, batch_size=args.batch_size,
                       second_depth=args.second_depth, **settings)
@@ -126,6 +124,7 @@ def main(argv=None):
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with "
                                 "python train_demo.py")
+    lines = prompt_lines(args)  # a prompt that is not text refused before the model loads
     memory.check_device(args.device)  # before the files: not a --model error
     with naming("--tokenizer", args.tokenizer):  # before the weights: it fails quicker
         tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
@@ -145,7 +144,7 @@ def main(argv=None):
                     kv=args.kv, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, compile=args.compile)
     if args.prompts_file is not None:
-        return decode_file(args, model, args.method, args.width, settings)
+        return decode_file(args, model, lines, args.method, args.width, settings)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
     # (name, method, width, second depth); all: plain AR (the speed baseline), and each schedule
     # after AR at its width (and second depth), its exact reference

@@ -2,6 +2,7 @@
 and a sweep run again, a run resumed after an --overwrite cut short, refusals made before the model
 loads, the wavefront's picture when Python gives a row's id to a later row, and messages that name
 only flags, files and commands that exist."""
+import json
 import os
 import re
 
@@ -34,6 +35,43 @@ def refused(capsys, script, argv):
     assert exit_.value.code == 2 and out == "", err
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     return err.rstrip("\n")
+
+
+# -- bytes ----------------------------------------------------------------------------------------
+
+def test_bytes_that_are_not_text_are_one_line(capsys, tmp_path):
+    """A byte that is not UTF-8 on the command line (Python reads it as a lone surrogate) or in a
+    file, and a lone surrogate escaped in JSON: one line naming the flag, the file and the line."""
+    assert refused(capsys, run, ["--prompt", "caf\udce9"]) == (
+        "error: --prompt: not UTF-8 text (byte 0xe9 at character 3)")
+    (tmp_path / "s.jsonl").write_text('{"prompt": "x"}\n{"prompt": "a\\ud800b"}\n')
+    assert refused(capsys, run, ["--prompts-file", str(tmp_path / "s.jsonl")]) == (
+        f"error: --prompts-file {tmp_path / 's.jsonl'} line 2: the prompt holds U+D800, a lone "
+        "surrogate, which is not text")
+    (tmp_path / "c.txt").write_bytes(b"ok\ncaf\xe9\n")
+    assert refused(capsys, run, ["--prompts-file", str(tmp_path / "c.txt")]) == (
+        f"error: --prompts-file {tmp_path / 'c.txt'} line 2: not UTF-8 text (byte 0xe9 at "
+        "offset 6)")
+    (tmp_path / "q.jsonl").write_text(
+        json.dumps(dict(question_id=1, category="qa", turns=["Why?"])) + "\n"
+        + '{"question_id": 2, "category": "qa", "turns": ["a\\udc00"]}\n')
+    err = refused(capsys, bench, ["--questions", str(tmp_path / "q.jsonl"), "--out", ""])
+    assert err == (f"error: --questions {tmp_path / 'q.jsonl'} line 2: the prompt holds U+DC00, a "
+                   "lone surrogate, which is not text")
+
+
+@pytest.mark.parametrize("name,line", [("b.txt", "def g(y):"),
+                                       ("b.jsonl", json.dumps({"prompt": "def g(y):"}))])
+def test_a_byte_order_mark_is_dropped(name, line, capsys, tmp_path):
+    """A file that starts with a UTF-8 BOM gives the tokens of the same file without it."""
+    outs = []
+    for bom in (b"\xef\xbb\xbf", b""):
+        path = tmp_path / name
+        path.write_bytes(bom + line.encode() + b"\n")
+        run.main(["--prompts-file", str(path), "--json", "--max-new-tokens", "3"])
+        out = json.loads(capsys.readouterr().out)
+        outs.append((out["prompt_ids"], out["tokens"]))
+    assert outs[0] == outs[1]
 
 
 # -- the wavefront's picture ----------------------------------------------------------------------
