@@ -123,7 +123,7 @@ def main(argv=None):
                          "--method all on many prompts use bench.py (--batch-size)")
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with "
-                                "python train_demo.py")
+                                "python demo/train.py")
     lines = prompt_lines(args)  # a prompt that is not text refused before the model loads
     memory.check_device(args.device)  # before the files: not a --model error
     with naming("--tokenizer", args.tokenizer):  # before the weights: it fails quicker

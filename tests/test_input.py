@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import bench
+import cli.answers
+import models
 import run
 from cli import args as cli_args
 from cli.output import draw_wavefront
@@ -74,6 +76,117 @@ def test_a_byte_order_mark_is_dropped(name, line, capsys, tmp_path):
     assert outs[0] == outs[1]
 
 
+# -- sweeps ---------------------------------------------------------------------------------------
+
+SWEEP = ["--model", OURO_A, "--num-prompts", "1", "--prompt-len", "4", "--max-new-tokens", "6",
+         "--warmup", "0", "--methods", "wfd", "--sweep", "acceptance", "--points", "0.5,0.9,1",
+         "--threads", "1"]
+
+
+def test_ctrl_c_in_a_sweep_keeps_its_points_and_resume_goes_on(capsys, tmp_path, monkeypatch):
+    """Ctrl-C at the second point: status 130, the first point in sweep-acceptance.json and in the
+    printed table; the same command again is refused (the file holds a sweep), --resume measures
+    the other points and keeps the first as it was."""
+    real, calls = bench.run_all, []
+
+    def cut(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "run_all", cut)
+    argv = SWEEP + ["--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 130
+    path = tmp_path / "sweep-acceptance.json"
+    assert err.splitlines()[-1] == (f"interrupted: the points that finished (1) are in {path}; "
+                                    "the same command with --resume measures the rest")
+    first = json.loads(path.read_text())
+    assert [p["x"] for p in first["points"]] == [0.5]
+    assert [line.split("|")[1].strip() for line in out.splitlines()
+            if line.startswith("| ")][1:] == ["0.5"]
+    monkeypatch.undo()
+    assert refused(capsys, bench, argv) == (
+        f"error: --out {tmp_path} holds a sweep of an earlier run (sweep-acceptance.json): "
+        "--resume goes on with it, --overwrite starts again, or give another --out")
+    assert json.loads(path.read_text()) == first
+    done = bench.main(argv + ["--resume"])
+    capsys.readouterr()
+    saved = json.loads(path.read_text())
+    assert saved == done and [p["x"] for p in saved["points"]] == [0.5, 0.9, 1.0]
+    assert saved["points"][0] == first["points"][0]
+    # another command's sweep is not resumed
+    err = refused(capsys, bench, argv[:-4] + ["--points", "0.5,0.8", "--out", str(tmp_path),
+                                               "--resume"])
+    assert "holds a sweep of another run" in err
+
+
+def answers(folder):
+    """Each answer file's texts by question id."""
+    return {name: {a["question_id"]: a["choices"][0]["turns"]
+                   for a in map(json.loads, open(folder / name))}
+            for name in sorted(os.listdir(folder))}
+
+
+def test_a_run_resumed_after_an_overwrite_cut_short(capsys, tmp_path, monkeypatch):
+    """A run, then --overwrite killed after its first answer, then --resume: the answers of an uncut
+    run. --resume reads the answers --overwrite wrote as of the same run, so that neither flag may
+    enter the run's fingerprint."""
+    argv = ["--model", OURO_A, "--num-prompts", "3", "--prompt-len", "4", "--max-new-tokens", "6",
+            "--warmup", "0", "--methods", "wfd", "--threads", "1", "--out"]
+    bench.main(argv + [str(tmp_path / "uncut")])
+    bench.main(argv + [str(tmp_path / "cut")])
+    real, written = cli.answers.Answers.write, []
+
+    def killed(self, *args):
+        if written:
+            raise KeyboardInterrupt
+        written.append(real(self, *args))
+    monkeypatch.setattr(cli.answers.Answers, "write", killed)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv + [str(tmp_path / "cut"), "--overwrite"])
+    assert exit_.value.code == 130
+    monkeypatch.undo()
+    bench.main(argv + [str(tmp_path / "cut"), "--resume"])
+    capsys.readouterr()
+    assert answers(tmp_path / "cut") == answers(tmp_path / "uncut")
+
+
+# -- refusals before the model loads --------------------------------------------------------------
+
+EARLY = {  # refusals that need no model: name -> (script, argv); TAKEN, SWEPT and FILE: --out
+    "answers in --out": (bench, ["--out", "TAKEN"]),
+    "a sweep in --out": (bench, ["--sweep", "acceptance", "--out", "SWEPT"]),
+    "--out a file": (bench, ["--out", "FILE"]),
+    "--points": (bench, ["--sweep", "acceptance", "--points", "a,b", "--out", ""]),
+    "--capacity": (bench, ["--capacity", "10", "--out", ""]),
+    "--methods ''": (bench, ["--methods", "", "--out", ""]),
+    "--questions": (bench, ["--questions", "FILE", "--out", ""]),
+    "--prompt": (run, ["--prompt", "caf\udce9"]),
+    "--prompts-file": (run, ["--prompts-file", "FILE"]),
+}
+
+
+@pytest.mark.parametrize("name", EARLY)
+def test_a_refusal_comes_before_the_model_loads(name, capsys, tmp_path, monkeypatch):
+    """One line on stderr, with no loading said before it and no model loaded."""
+    out = {"TAKEN": tmp_path / "taken", "SWEPT": tmp_path / "swept", "FILE": tmp_path / "file"}
+    out["TAKEN"].mkdir()
+    (out["TAKEN"] / "ouro_A-wfd.jsonl").write_text("{}\n")
+    out["SWEPT"].mkdir()
+    (out["SWEPT"] / "sweep-acceptance.json").write_text("{}")
+    out["FILE"].write_bytes(b"caf\xe9\n")  # not UTF-8
+
+    def load(*_, **__):
+        raise AssertionError("the model loaded before the refusal")
+    monkeypatch.setattr(models, "load", load)
+    script, argv = EARLY[name]
+    refused(capsys, script, ["--model", OURO_A] + (["--methods", "wfd"] * (script is bench))
+            + [str(out.get(a, a)) for a in argv])
+
+
 # -- the wavefront's picture ----------------------------------------------------------------------
 
 # T = 4, k = 2: each position drafts at depth 2 and commits at 4. The row of position 12 takes the
@@ -98,6 +211,14 @@ def test_the_wavefront_puts_each_row_on_its_own_line():
 
 # -- messages name what exists --------------------------------------------------------------------
 
+@pytest.mark.parametrize("script", [run, bench])
+def test_the_missing_demo_names_its_script(script, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "DEMO", str(tmp_path / "demo"))
+    err = refused(capsys, script, ["--prompt", "x"] if script is run else ["--out", ""])
+    command = re.search(r"build it with python (\S+)", err).group(1)
+    assert os.path.isfile(os.path.join(ROOT, command)), err
+
+
 def test_the_offline_hint_names_the_hubs_command():
     """huggingface_hub 1.x and later install `hf`, not huggingface-cli."""
     from huggingface_hub import errors
@@ -118,6 +239,16 @@ def test_the_memory_hint_names_flags_that_exist():
         assert flag.replace("-", "_") in flags[script]
     for flag in shared:
         assert all(flag.replace("-", "_") in parsed for parsed in flags.values())
+
+
+def test_plot_from_without_plot_prints_the_table(capsys, tmp_path):
+    bench.main(SWEEP + ["--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert bench.main(["--plot-from", str(tmp_path / "sweep-acceptance.json")]) is None
+    again = capsys.readouterr().out
+    table = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert len(table) == 4 and table == [line for line in again.splitlines()
+                                         if line.startswith("| ")]
 
 
 def test_method_all_labels_each_text_by_its_run(capsys):

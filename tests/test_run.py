@@ -194,6 +194,10 @@ CASES = [  # (script, arguments, what the one line says)
      "^error: --random-weights: .*binary.txt is not valid JSON"),
     (bench, ["--questions", "binary.txt"],
      r"^error: --questions .*binary.txt line 1: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+    (bench, ["--questions", "q.jsonl", "--categories", "qa,nosuch"],
+     r"^error: --categories nosuch: no question of .*q\.jsonl has it; its categories: qa$"),
+    (bench, ["--methods", ""], "^error: --methods names no method: choose from ar, "),
+    (bench, ["--out", "binary.txt"], r"^error: --out .*binary\.txt is a file: give a folder"),
     (bench, ["--seed", "-1"], "^error: --seed must be at least 0, not -1"),
     (bench, ["--model", "nobody/no-such-model"],
      "^error: --model: could not get 'nobody/no-such-model' from the Hugging Face hub: the hub "
@@ -220,7 +224,7 @@ def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prom
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = [damaged.get(a, prompt_files.get(a, a)) for a in argv]
     with pytest.raises(SystemExit) as exit:
-        script.main(argv + (["--out", ""] if script is bench else []))
+        script.main(argv + (["--out", ""] if script is bench and "--out" not in argv else []))
     out, err = capsys.readouterr()
     assert exit.value.code == 2
     assert out == ""  # refused before the prompt is streamed
