@@ -45,8 +45,6 @@ def default_eos(model):
 def read_prompt(args, model):
     """(prompt ids, stop ids): --eos where given, else the checkpoint's (and with --chat its end
     of turn)."""
-    if args.chat and args.prompt is None:
-        raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     if args.prompt_ids is not None:
         prompt, eos = id_list("--prompt-ids", args.prompt_ids), default_eos(model)
     else:
@@ -136,11 +134,16 @@ def file_line(args, line, jsonl):
 
 def prompt_lines(args):
     """run.py's prompts as the user typed them, before the model loads, so that a mistake in them
-    is refused first: --prompt checked to be text (argument_text), and --prompts-file's lines,
-    each (line number, its text or its ids). Lines of a .jsonl file are JSON objects; of any
-    other file, prompt texts. Blank lines are skipped."""
+    is refused first: --prompt checked to be text (argument_text), --prompt-ids and --eos to be
+    integers, and --prompts-file's lines, each (line number, its text or its ids). Lines of a
+    .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
     if args.prompt is not None:
-        args.prompt = argument_text("--prompt", args.prompt)
+        argument_text("--prompt", args.prompt)
+    if args.chat and args.prompt_ids is not None:
+        raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
+    for flag, ids in (("--prompt-ids", args.prompt_ids), ("--eos", args.eos)):
+        if ids is not None:
+            id_list(flag, ids)  # read again once the model's vocabulary can check them
     if args.prompts_file is None:
         return None
     lines, jsonl = [], args.prompts_file.endswith(".jsonl")

@@ -165,6 +165,9 @@ EARLY = {  # refusals that need no model: name -> (script, argv); TAKEN, SWEPT a
     "--methods ''": (bench, ["--methods", "", "--out", ""]),
     "--questions": (bench, ["--questions", "FILE", "--out", ""]),
     "--prompt": (run, ["--prompt", "caf\udce9"]),
+    "--prompt-ids": (run, ["--prompt-ids", "1,a"]),
+    "--eos": (run, ["--prompt", "x", "--eos", "2,a"]),
+    "--chat --prompt-ids": (run, ["--chat", "--prompt-ids", "1"]),
     "--prompts-file": (run, ["--prompts-file", "FILE"]),
 }
 
