@@ -172,8 +172,6 @@ def run(model, prompt, name, args, max_new_tokens, ref=None):
 
 def plain_run(model, prompt, args, max_new_tokens, clock):
     """One prompt through the plain eager forward (cli/plain.py), greedy, timed as run times."""
-    if args.temperature != 0 or args.batch_size is not None:
-        raise ValueError("the plain forward decodes greedily, one prompt at a time")
     stop = checks.stop_ids(prompt["eos"], model.args.vocab_size)
     times, start = [], clock()
     tokens, kv_bytes = plain.generate(model, prompt["ids"], max_new_tokens, stop=stop,
@@ -1089,6 +1087,9 @@ def main(argv=None):
     # plain AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS
                       if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
+    if "plain" in names and (args.temperature != 0 or args.batch_size or args.sweep == "batch"):
+        raise ValueError("--methods plain: the plain forward decodes greedily, one prompt at a "
+                         "time (no --temperature, --batch-size or --batch-sizes)")
     if not args.host_time:
         check_out(args, run_name(args), names)
     if args.questions:  # its mistakes refused now; read again with the model's tokenizer

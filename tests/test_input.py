@@ -156,13 +156,14 @@ def test_a_run_resumed_after_an_overwrite_cut_short(capsys, tmp_path, monkeypatc
 
 # -- refusals before the model loads --------------------------------------------------------------
 
-EARLY = {  # refusals that need no model: name -> (script, argv); TAKEN, SWEPT and FILE: --out
+EARLY = {  # refusals that need no model: name -> (script, argv); TAKEN, SWEPT, FILE: the test makes
     "answers in --out": (bench, ["--out", "TAKEN"]),
     "a sweep in --out": (bench, ["--sweep", "acceptance", "--out", "SWEPT"]),
     "--out a file": (bench, ["--out", "FILE"]),
     "--points": (bench, ["--sweep", "acceptance", "--points", "a,b", "--out", ""]),
     "--capacity": (bench, ["--capacity", "10", "--out", ""]),
     "--methods ''": (bench, ["--methods", "", "--out", ""]),
+    "--methods plain": (bench, ["--methods", "plain", "--temperature", "1", "--out", ""]),
     "--questions": (bench, ["--questions", "FILE", "--out", ""]),
     "--prompt": (run, ["--prompt", "caf\udce9"]),
     "--prompt-ids": (run, ["--prompt-ids", "1,a"]),
