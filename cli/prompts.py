@@ -87,14 +87,13 @@ def checked_text(text):
     return text
 
 
-def argument_text(flag, text):
-    """A text typed on the command line. Python keeps each byte of it that is not UTF-8 as the lone
-    surrogate U+DC00 + byte (surrogateescape): refused, naming the byte."""
+def check_argument_text(flag, text):
+    """A text typed on the command line refused where Python kept a byte of it that is not UTF-8
+    as the lone surrogate U+DC00 + byte (surrogateescape), naming the byte."""
     bad = re.search(SURROGATE, text)
     if bad:
         raise ValueError(f"{flag}: not UTF-8 text (byte {ord(bad.group()) - 0xDC00:#04x} at "
                          f"character {bad.start()})")
-    return text
 
 
 def file_text(flag, path):
@@ -134,11 +133,11 @@ def file_line(args, line, jsonl):
 
 def prompt_lines(args):
     """run.py's prompts as the user typed them, before the model loads, so that a mistake in them
-    is refused first: --prompt checked to be text (argument_text), --prompt-ids and --eos to be
-    integers, and --prompts-file's lines, each (line number, its text or its ids). Lines of a
-    .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
+    is refused first: --prompt checked to be text (check_argument_text), --prompt-ids and --eos
+    to be integers, and --prompts-file's lines, each (line number, its text or its ids). Lines of
+    a .jsonl file are JSON objects; of any other file, prompt texts. Blank lines are skipped."""
     if args.prompt is not None:
-        argument_text("--prompt", args.prompt)
+        check_argument_text("--prompt", args.prompt)
     if args.chat and args.prompt_ids is not None:
         raise ValueError("--chat formats a --prompt text: it cannot take --prompt-ids")
     for flag, ids in (("--prompt-ids", args.prompt_ids), ("--eos", args.eos)):
