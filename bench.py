@@ -48,11 +48,11 @@ import engine
 import models
 import wfd
 from cli import figures
-from cli.answers import Answers
+from cli.answers import Answers, check_out, fingerprint
 from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, check_at_least,
                       compiling_line, naming, one_line_errors, resolve_compile, set_threads)
 from cli.output import finite, token_match
-from cli.prompts import random_prompts, specbench_prompts, stdlib_prompts
+from cli.prompts import read_questions, random_prompts, specbench_prompts, stdlib_prompts
 from formats import checkpoints
 from formats.checkpoints import load_tokenizer, read_json
 from engine import checks, model_runner
@@ -323,7 +323,6 @@ def sweep_points(model, args, prompts=None):
     """The points of args.sweep: --points (the batch sweep's: --batch-sizes), or the defaults
     (acceptance 0.5..1, k over 1..T, prompt lengths 16..128), each checked before anything runs; a
     batch holds at most the prompts given."""
-    param, kind = SWEEPS[args.sweep]
     T = model.num_steps if args.steps is None else args.steps
     k = checks.default_draft_steps(model, args.steps) if args.draft_steps is None else (
         args.draft_steps)
@@ -331,12 +330,7 @@ def sweep_points(model, args, prompts=None):
         return dict(acceptance=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0], length=[16, 32, 64, 128],
                     **{"second-depth": list(range(k + 1, T))}).get(args.sweep,
                                                                     list(range(1, T + 1)))
-    flag = "--batch-sizes" if args.sweep == "batch" else f"--points for --sweep {args.sweep}"
-    try:
-        points = [kind(x) for x in args.points.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, "
-                         f"not {args.points!r}") from None
+    flag, points = points_flag(args), parse_points(args)
     bounds = dict(acceptance=(0, 1), length=(1, model.args.max_seq_len - 1),
                   batch=(1, len(prompts or ())), **{"second-depth": (k + 1, T - 1)})
     low, high = bounds.get(args.sweep, (1, T))
@@ -346,6 +340,21 @@ def sweep_points(model, args, prompts=None):
                          + (" (the prompts)" if args.sweep == "batch" else "")
                          + f", not {bad[0] if bad else args.points!r}")
     return points
+
+
+def points_flag(args):
+    return "--batch-sizes" if args.sweep == "batch" else f"--points for --sweep {args.sweep}"
+
+
+def parse_points(args):
+    """--points (--batch-sizes) as numbers of the sweep's kind, refused before the model loads if
+    they are not; sweep_points checks their range against the model."""
+    kind = SWEEPS[args.sweep][1]
+    try:
+        return [kind(x) for x in args.points.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{points_flag(args)} takes comma-separated {kind.__name__}s, "
+                         f"not {args.points!r}") from None
 
 
 def reuse_key(model, name, args, prompts):
@@ -367,62 +376,89 @@ def fix_capacity(args, prompts):
         args.capacity = max(len(p["ids"]) for p in prompts) + args.max_new_tokens - 1
 
 
-def run_sweep(model, model_id, names, args, argv, log):
+def run_sweep(model, model_id, names, args, argv, log, saved=None, save=None):
     """Every point of args.sweep: all methods, AR's runs measured once where the point leaves them
-    alone. Returns the sweep's record (what sweep-NAME.json holds)."""
+    alone. saved: the points of an earlier run of the same command (--resume), by their x, kept and
+    not measured again. save(record) is called as each point ends. Returns the sweep's record (what
+    sweep-NAME.json holds); Ctrl-C prints the table of the points that ended, and says where they
+    are."""
     param = SWEEPS[args.sweep][0]
     T = model.num_steps if args.steps is None else args.steps
     measured, points = {}, []  # reuse key -> (index of the point that measured it, its results)
     # a batch sweep's prompts are the same at every point: no batch may be larger
     prompts = (load_prompts(model, model_id, args, lambda msg: None)[0] if args.sweep == "batch"
                else None)
-    for j, x in enumerate(sweep_points(model, args, prompts)):
-        log(f"{figures.sweep_flag(args.sweep)}: point {j + 1}, {param} = {x}")
-        a = argparse.Namespace(**vars(args))
-        setattr(a, param, x)
-        # a new width compiles anew; else warm
-        a.warmup = args.warmup if j == 0 or args.compile else 0
-        prompts, source = load_prompts(model, model_id, a, log)
-        fix_capacity(a, prompts)
-        keys = {n: reuse_key(model, n, a, prompts) for n in names}
-        reused = {n: measured[keys[n]] for n in names if keys[n] in measured}
-        results, _ = run_all(model, prompts, names, a, log, {n: r for n, (_, r) in reused.items()})
-        for n in names:
-            if keys[n] is not None:
-                measured.setdefault(keys[n], (j, results[n]))
-        figs = {n: summarize(results[n]) for n in names}
-        k = checks.default_draft_steps(model, a.steps) if a.draft_steps is None else a.draft_steps
-        acc = figs["wfd"]["acceptance"]
-        ar = figs["ar"]
-        points.append(finite(dict(
-            x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source,
-            acceptance=acc, ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
-                label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"],
-                speedup=f["tok_s"] / ar["tok_s"],
-                decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"],
-                r_calls_per_token=f["r_per_token"],
-                r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
-                rescues=f["rescues"], tokens_per_round=f["per_round"], kv_mib=f["kv_mib"],
-                identical=f["identical"], measured_at_point=reused.get(n, (j,))[0],
-                **({} if n != "wfd-2" else dict(r_calls_formula=figures.second_proposal_calls(
-                    T, k, a.second_depth, f["accepts"], f["rescues"]))),
-            )) for n, f in figs.items()})))
-    again = None
-    if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
-        # AR's run served later points: one more run of it shows how far the machine's speed
-        # drifted since
-        again = summarize(run_all(model, prompts, ["ar"], a, log)[0]["ar"])["tok_s"]
-    return dict(
-        sweep=args.sweep, x_label=figures.AXES[args.sweep][1], ar_again_tok_s=again,
-        model=model_id, machine=machine(model.device), device=args.device,
-        threads=torch.get_num_threads(), torch=torch.__version__,
-        dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
-        command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
-        date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T, draft_len=args.draft_len,
-        emulated_acceptance=args.acceptance, prompts=len(prompts),
-        prompt_source=points[0]["prompt_source"], max_new_tokens=args.max_new_tokens,
-        decoding=decoding(args), compiled=args.compile, batch_size=args.batch_size,
-        shown=[n for n in names if n == "ar" or METHODS[n][4] != n], points=points)
+
+    def record(again=None):
+        return dict(
+            sweep=args.sweep, x_label=figures.AXES[args.sweep][1], ar_again_tok_s=again,
+            model=model_id, machine=machine(model.device), device=args.device,
+            threads=torch.get_num_threads(), torch=torch.__version__,
+            dtype=str(model.dtype).replace("torch.", ""), clock=args.clock,
+            command=shlex.join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv)),
+            date=f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", T=T,
+            draft_len=args.draft_len, emulated_acceptance=args.acceptance, prompts=len(prompts),
+            prompt_source=points[0]["prompt_source"], max_new_tokens=args.max_new_tokens,
+            decoding=decoding(args), compiled=args.compile, batch_size=args.batch_size,
+            shown=[n for n in names if n == "ar" or METHODS[n][4] != n],
+            run_id=fingerprint(model_id, args), points=points)
+
+    try:
+        for j, x in enumerate(sweep_points(model, args, prompts)):
+            a = argparse.Namespace(**vars(args))
+            setattr(a, param, x)
+            prompts, source = load_prompts(model, model_id, a, log)
+            if x in (saved or {}):
+                log(f"{figures.sweep_flag(args.sweep)}: point {j + 1}, {param} = {x}, resumed")
+                points.append(saved[x])
+                continue
+            log(f"{figures.sweep_flag(args.sweep)}: point {j + 1}, {param} = {x}")
+            # a new width compiles anew; else warm
+            a.warmup = args.warmup if j == 0 or args.compile else 0
+            points.append(sweep_point(model, names, a, j, x, T, prompts, source, measured, log))
+            if save:
+                save(record())
+        again = None
+        if any(p["methods"]["ar"]["measured_at_point"] != j for j, p in enumerate(points)):
+            # AR's run served later points: one more run of it shows how far the machine's speed
+            # drifted since
+            again = summarize(run_all(model, prompts, ["ar"], a, log)[0]["ar"])["tok_s"]
+    except KeyboardInterrupt:
+        if points:
+            print(figures.text(record()))
+        kept = (f": the points that finished ({len(points)}) are in {sweep_path(args)}; the same "
+                "command with --resume measures the rest" if points and save else "")
+        raise KeyboardInterrupt("interrupted" + kept) from None
+    return record(again)
+
+
+def sweep_point(model, names, a, j, x, T, prompts, source, measured, log):
+    """Point j of a sweep (x, its settings a): every method, AR's runs taken from `measured` where
+    an earlier point ran them with the same settings (and added to it)."""
+    fix_capacity(a, prompts)
+    keys = {n: reuse_key(model, n, a, prompts) for n in names}
+    reused = {n: measured[keys[n]] for n in names if keys[n] in measured}
+    results, _ = run_all(model, prompts, names, a, log, {n: r for n, (_, r) in reused.items()})
+    for n in names:
+        if keys[n] is not None:
+            measured.setdefault(keys[n], (j, results[n]))
+    figs = {n: summarize(results[n]) for n in names}
+    k = checks.default_draft_steps(model, a.steps) if a.draft_steps is None else a.draft_steps
+    acc = figs["wfd"]["acceptance"]
+    ar = figs["ar"]
+    return finite(dict(
+        x=x, k=k, prompt_len=mean([len(p["ids"]) for p in prompts]), prompt_source=source,
+        acceptance=acc, ideal=figures.ideal_speedup(T, k, acc), methods={n: finite(dict(
+            label=METHODS[n][3], width=f["width"], tok_s=f["tok_s"],
+            speedup=f["tok_s"] / ar["tok_s"],
+            decode_speedup=f["decode_tok_s"] / ar["decode_tok_s"],
+            r_calls_per_token=f["r_per_token"],
+            r_call_ratio=ar["r_per_token"] / f["r_per_token"], acceptance=f["acceptance"],
+            rescues=f["rescues"], tokens_per_round=f["per_round"], kv_mib=f["kv_mib"],
+            identical=f["identical"], measured_at_point=reused.get(n, (j,))[0],
+            **({} if n != "wfd-2" else dict(r_calls_formula=figures.second_proposal_calls(
+                T, k, a.second_depth, f["accepts"], f["rescues"]))),
+        )) for n, f in figs.items()}))
 
 
 # -- host time per tick ----------------------------------------------------------------------------
@@ -546,13 +582,15 @@ def parse_args(argv=None):
                       "compiling and its time is reported apart")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default="bench_out", help="folder for the JSONL answers, each appended "
-                   "as its prompt finishes, or a sweep's sweep-NAME.json ('' for none)")
-    p.add_argument("--resume", action="store_true", help="keep the answers in --out of an earlier "
-                   "run of the same command (one cut short) and measure only the prompts some "
-                   "method has not answered")
+                   "as its prompt finishes, or a sweep's sweep-NAME.json, written again as each "
+                   "point ends ('' for none)")
+    p.add_argument("--resume", action="store_true", help="keep the answers (or a sweep's points) "
+                   "in --out of an earlier run of the same command (one cut short) and measure "
+                   "only the prompts some method has not answered (the points it has not)")
     p.add_argument("--overwrite", action="store_true", help="start again: replace the answers "
-                   "in --out of an earlier run of the same model and methods (without --resume "
-                   "or --overwrite such a run is refused, so that no finished run is lost)")
+                   "in --out of an earlier run of the same model and methods, or the sweep "
+                   "(without --resume or --overwrite such a run is refused, so that no finished "
+                   "run is lost)")
     p.add_argument("--batch-size", type=int, help="decode the prompts through this many slots, "
                    "each method in one batched call (a finished sequence's slot takes the next "
                    "prompt); default: one prompt at a time")
@@ -569,7 +607,7 @@ def parse_args(argv=None):
     p.add_argument("--host-time", action="store_true", help="time the host's work per tick of AR "
                    "and WFD at 1 and 8 slots, the model's calls returning at once (same shapes)")
     p.add_argument("--plot-from", metavar="SWEEP_JSON", help="print the table of a saved "
-                   "sweep-NAME.json and draw it (with --plot), without running anything")
+                   "sweep-NAME.json, and with --plot draw it, without running anything")
     return p.parse_args(argv)
 
 
@@ -581,15 +619,15 @@ def load_model(args, log):
     if args.random_weights:
         with naming("--random-weights", args.random_weights):
             config = read_json(args.random_weights)
-        model_id = os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
+        model_id = run_name(args)
         log(f"building {model_id} with random weights on {args.device} ...")
         model = models.from_config(config, args.device, DTYPES[args.dtype or "float32"],
                                    seed=args.seed, init_seed=args.init_seed)
     else:
         if args.model == DEMO and not os.path.isdir(DEMO):
             raise FileNotFoundError("no --model given and the demo model is missing: build it with "
-                                    "python train_demo.py")
-        model_id = model_name(args.model)
+                                    "python demo/train.py")
+        model_id = run_name(args)
         log(f"loading {args.model} ...")
         with naming("--model", args.model):
             model = models.load(args.model, args.device, DTYPES.get(args.dtype), seed=args.seed)
@@ -598,6 +636,13 @@ def load_model(args, log):
     log(f"  {n_params / 1e9:.3f}B parameters, {model.dtype}, {time.perf_counter() - t0:.0f} s")
     set_threads(model, args.threads)
     return model, model_id
+
+
+def run_name(args):
+    """The name of the run's model in its files: the checkpoint's, or its config's with -random."""
+    if args.random_weights:
+        return os.path.splitext(os.path.basename(args.random_weights))[0] + "-random"
+    return model_name(args.model)
 
 
 def model_name(source):
@@ -625,7 +670,7 @@ def prompt_format(args, model_id, log):
 
 def load_prompts(model, model_id, args, log):
     if args.questions:
-        cats = set(args.categories.split(",")) if args.categories else None
+        cats = categories(args)
         fmt = prompt_format(args, model_id, log)
         with naming("--questions", args.questions):
             prompts = specbench_prompts(model, args.questions, cats, args.per_category,
@@ -654,6 +699,10 @@ def load_prompts(model, model_id, args, log):
     return fits[:args.limit], source
 
 
+def categories(args):
+    return set(args.categories.split(",")) if args.categories else None
+
+
 def check_batch_size(batch_size, prompts, flag="--batch-size"):
     if batch_size is not None and batch_size > len(prompts):
         raise ValueError(f"{flag} {batch_size} is more than the {len(prompts)} prompts: give more "
@@ -671,10 +720,6 @@ def run_all(model, prompts, names, args, log, known=None, on_result=None):
     todo = {n: [i for i, r in enumerate(known[n]) if r is None] for n in names}
     fresh = [n for n in names if todo[n]]
     check_batch_size(batch, prompts)  # the run's; a resumed one has fewer left, through fewer slots
-    own = [n for n in names if n in REFERENCE]
-    if own and (batch is not None or args.temperature != 0):
-        raise ValueError(f"{own[0]} runs wfd.py's loop, greedy and one prompt at a time: not with "
-                         "--batch-size or --temperature")
     for name in names:  # bad settings fail here, not after the reference runs
         checks.check_args(model,
                           prompts[0]["ids"] if batch is None else [p["ids"] for p in prompts],
@@ -926,8 +971,6 @@ def check_sweep_args(args):
         args.sweep, args.points = "batch", args.batch_sizes
     if args.plot_from and args.sweep:
         raise ValueError("--plot-from draws saved points: give it or --sweep, not both")
-    if args.plot_from and not args.plot:
-        raise ValueError("--plot-from needs --plot FILE.png, the figure to write")
     if args.plot and not (args.sweep or args.plot_from):
         raise ValueError("--plot draws a sweep: give --sweep NAME, or --plot-from a "
                          "saved sweep-NAME.json")
@@ -950,19 +993,47 @@ def check_sweep_args(args):
                           f"{folder} ({err.strerror})") from None
 
 
-def sweep_main(model, model_id, names, args, argv, log):
-    sweep = run_sweep(model, model_id, names, args, argv, log)
-    print(figures.text(sweep))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"sweep-{args.sweep}.json")
-        with open(path, "w") as f:
+def sweep_main(model, model_id, names, args, argv, log, saved):
+    """A sweep, its sweep-NAME.json in --out rewritten as each point ends (a new file that then
+    replaces the old: a kill leaves one of them whole); saved: the points of its earlier run
+    (resumed_points), kept."""
+    path = args.out and sweep_path(args)
+
+    def save(sweep):
+        with open(path + ".new", "w") as f:
             json.dump(sweep, f, indent=1, allow_nan=False)
+        os.replace(path + ".new", path)
+
+    if path:
+        with naming("--out", args.out):
+            os.makedirs(args.out, exist_ok=True)
+    sweep = run_sweep(model, model_id, names, args, argv, log, saved, path and save)
+    print(figures.text(sweep))
+    if path:
+        save(sweep)
         log(f"points: {path}")
     if args.plot:
         figures.plot(sweep, args.plot)
         log(f"figure: {args.plot}")
     return sweep
+
+
+def sweep_path(args):
+    return os.path.join(args.out, f"sweep-{args.sweep}.json")
+
+
+def resumed_points(args, model_id):
+    """With --resume, the points of the sweep in --out, by their x, if it is of this run (none if
+    there is no file); before the model loads."""
+    path = sweep_path(args)
+    if not (args.resume and os.path.exists(path)):
+        return None
+    run_id = fingerprint(model_id, args)
+    sweep = figures.read_sweep(path)
+    if sweep.get("run_id") != run_id:
+        raise ValueError(f"--resume: {path} holds a sweep of another run (other flags or model): "
+                         "--resume continues the same command; --overwrite starts again")
+    return {p["x"]: p for p in sweep["points"]}
 
 
 @one_line_errors
@@ -985,36 +1056,54 @@ def main(argv=None):
         raise ValueError("--second-acceptance B needs --acceptance A, and A <= B <= 1 (a deeper "
                          f"read is right at least as often), not {args.second_acceptance}")
     check_sweep_args(args)
-    if args.resume and (not args.out or args.sweep or args.plot_from):
-        raise ValueError("--resume continues the answer files of a run: it needs --out, and "
-                         "no sweep")
-    if args.overwrite and (args.resume or not args.out or args.sweep or args.plot_from):
-        raise ValueError("--overwrite replaces the answer files of an earlier run: it needs --out, "
-                         "no sweep, and not --resume, which goes on with them")
+    if (args.resume or args.overwrite) and (not args.out or args.plot_from):
+        raise ValueError("--resume and --overwrite go on with or replace the answers or the sweep "
+                         "of an earlier run in --out: they need --out, and no --plot-from")
+    if args.overwrite and args.resume:
+        raise ValueError("--overwrite starts the run in --out again: not --resume, which goes "
+                         "on with it")
     if args.plot_from:
         sweep = figures.read_sweep(args.plot_from)
         print(figures.text(sweep))
-        figures.plot(sweep, args.plot)
-        log(f"figure: {args.plot}")
+        if args.plot:
+            figures.plot(sweep, args.plot)
+            log(f"figure: {args.plot}")
         return None
+    if args.capacity is not None and args.capacity < args.max_new_tokens:
+        raise ValueError(f"--capacity {args.capacity} cannot hold --max-new-tokens "
+                         f"{args.max_new_tokens} after a prompt: the KV cache holds the prompt "
+                         "and the new tokens but the last")
+    if args.points:
+        parse_points(args)
     second = args.second_depth is not None or args.sweep == "second-depth"
     if args.methods is None:  # the reference's rows beside the engine's, where it can run them
         alone = args.temperature == 0 and args.batch_size is None and not args.sweep
         args.methods = "ar,dtv,wfd,wfd-shared" + ",ref-wfd" * alone
-    names = ([n.strip() for n in args.methods.split(",") if n.strip()]
-             + (["wfd"] if args.sweep else []) + (["wfd-2"] if second else []))
+    given = [n.strip() for n in args.methods.split(",") if n.strip()]
+    if not given:
+        raise ValueError(f"--methods names no method: choose from {', '.join(METHODS)}")
+    names = given + (["wfd"] if args.sweep else []) + (["wfd-2"] if second else [])
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    # plain AR always runs (the baseline), and each method's exact reference before the method
+    # 1-row AR always runs (the baseline), and each method's exact reference before the method
     names = ["ar"] + [n for n in METHODS
                       if n != "ar" and (n in names or any(METHODS[m][4] == n for m in names))]
+    own = [n for n in names if n in REFERENCE]
+    if own and (args.temperature != 0 or args.batch_size or args.sweep == "batch"):
+        raise ValueError(f"--methods {own[0]} runs wfd.py's loop, greedy and one prompt at a time "
+                         "(no --temperature, --batch-size or --batch-sizes)")
+    if not args.host_time:
+        check_out(args, run_name(args), names)
+    if args.questions:  # its mistakes refused now; read again with the model's tokenizer
+        read_questions(args.questions, categories(args), args.per_category)
+    saved = resumed_points(args, run_name(args)) if args.sweep else None
     model, model_id = load_model(args, log)
     if args.host_time:
         torch.set_num_threads(1)
         return host_time(model, args, log)
     if args.sweep:
-        return sweep_main(model, model_id, names, args, argv, log)
+        return sweep_main(model, model_id, names, args, argv, log, saved)
     prompts, source = load_prompts(model, model_id, args, log)
     fix_capacity(args, prompts)
     with naming("--out", args.out):

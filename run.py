@@ -20,7 +20,7 @@ from cli.args import (DEMO, DTYPES, TOKENIZER_HELP, Parser, add_decoding_args, c
                       compiling_line, naming, one_line_errors, refuse_engine_only,
                       resolve_compile, set_threads)
 from cli.output import TextStream, draw_wavefront, json_line, stats_line, text_of, token_match
-from cli.prompts import default_eos, read_prompt, read_prompts
+from cli.prompts import default_eos, line_named, prompt_lines, read_prompt, read_prompts
 from engine import checks
 from formats.checkpoints import load_tokenizer
 from formats.devices import check_device
@@ -82,16 +82,14 @@ def compile_runs(model, prompts, runs, settings, args, batch_size=None):
     print(compiling_line(graphs, time.perf_counter() - t0, model.device), file=sys.stderr)
 
 
-def decode_file(args, model, method, width, settings):
-    """--prompts-file: every prompt through --batch-size slots, each answer printed as its
-    prompt finishes."""
-    lines, prompts, eos = read_prompts(args, model)
+def decode_file(args, model, lines, method, width, settings):
+    """--prompts-file: every prompt (lines: prompt_lines's) through --batch-size slots, each answer
+    printed as its prompt finishes."""
+    lines, prompts, eos = read_prompts(args, model, lines)
     for n, prompt in zip(lines, prompts):  # a prompt's mistake named by its line, before any output
-        try:
+        with line_named(args.prompts_file, n):
             checks.check_args(model, prompt, args.max_new_tokens, method=method, width=width,
                               eos_token_id=eos, second_depth=args.second_depth, **settings)
-        except ValueError as err:
-            raise ValueError(f"{args.prompts_file} line {n}: {err}") from None
     checks.check_args(model, prompts, args.max_new_tokens, method=method, width=width,
                       eos_token_id=eos, batch_size=args.batch_size,
                       second_depth=args.second_depth, **settings)
@@ -134,7 +132,8 @@ def main(argv=None):
                          "--method all on many prompts use bench.py (--batch-size)")
     if args.model == DEMO and not os.path.isdir(DEMO):
         raise FileNotFoundError("no --model given and the demo model is missing: build it with "
-                                "python train_demo.py")
+                                "python demo/train.py")
+    lines = prompt_lines(args)  # a prompt that is not text refused before the model loads
     check_device(args.device)  # before the files: not a --model error
     with naming("--tokenizer", args.tokenizer):  # before the weights: it fails quicker
         tokenizer = args.tokenizer and load_tokenizer(args.tokenizer)
@@ -154,7 +153,7 @@ def main(argv=None):
                     kv=args.kv, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, compile=args.compile)
     if args.prompts_file is not None:
-        return decode_file(args, model, args.method, args.width, settings)
+        return decode_file(args, model, lines, args.method, args.width, settings)
     (prompt, eos), tok = read_prompt(args, model), model.tokenizer
     if args.engine == "reference":
         return run_reference(args, model, prompt, eos)
@@ -190,7 +189,7 @@ def main(argv=None):
         if text:
             text.show()
         else:
-            print(f"[{method}] {text_of(tok, out)}")
+            print(f"[{name}] {text_of(tok, out)}")
         print(stats_line(name, stats))
         if trace:
             label = (lambda t: repr(tok.decode([t]))) if tok else str

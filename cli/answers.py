@@ -1,5 +1,6 @@
 """bench.py's answer files: one JSONL per method in Spec-Bench's answer format, written as the
-prompts finish, and read back to resume a run cut short."""
+prompts finish, and read back to resume a run cut short; the run's fingerprint, which its sweeps
+carry too; and the check that --out holds no earlier run's files, made before the model loads."""
 import hashlib
 import json
 import os
@@ -9,6 +10,36 @@ import uuid
 
 from cli.output import answer_text, finite
 
+
+def fingerprint(model_id, args):
+    """The run's identity: the model and its flags but --resume, --overwrite and --out, which say
+    where its results go and what to do with earlier ones, not what it measures."""
+    flags = {k: v for k, v in sorted(vars(args).items())
+             if k not in ("resume", "overwrite", "out")}
+    return hashlib.blake2b(json.dumps([model_id, flags], default=str).encode(),
+                           digest_size=8).hexdigest()
+
+
+def check_out(args, model_id, names):
+    """--out refused before any work where it is a file, or holds the answers (or with --sweep
+    NAME, the sweep-NAME.json) of an earlier run and neither --resume nor --overwrite says what
+    to do with them."""
+    if not args.out:
+        return
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file: give a folder (made if missing) for the "
+                         f"{'sweep' if args.sweep else 'answers'}")
+    files = ([f"sweep-{args.sweep}.json"] if args.sweep
+             else [f"{model_id}-{n}.jsonl" for n in names])
+    earlier = [f for f in files if os.path.isfile(os.path.join(args.out, f))
+               and os.path.getsize(os.path.join(args.out, f))]
+    if earlier and not (args.resume or args.overwrite):
+        what = "a sweep" if args.sweep else "the answers"
+        raise ValueError(f"--out {args.out} holds {what} of an earlier run ({earlier[0]}): "
+                         "--resume goes on with it, --overwrite starts again, or give another "
+                         "--out")
+
+
 class Answers:
     """One JSONL per method in Spec-Bench's answer format, plus each run's counters (`stats`) and
     what its table needs (`bench`). Each answer is appended and flushed as its prompt finishes, so a
@@ -16,23 +47,14 @@ class Answers:
     but --resume and --out): with resume, the answers of an earlier run of the same command are read
     back, the prompts answered by every method are kept and skipped, and the other lines dropped.
     Answer files already in the folder are never emptied unasked: without --resume or --overwrite
-    the run is refused."""
+    check_out refuses the run before it starts."""
 
     def __init__(self, model, model_id, names, prompts, args):
         self.model, self.model_id, self.names, self.prompts = model, model_id, names, prompts
-        flags = {k: v for k, v in sorted(vars(args).items())
-                 if k not in ("resume", "overwrite", "out")}
-        self.run_id = hashlib.blake2b(json.dumps([model_id, flags], default=str).encode(),
-                                      digest_size=8).hexdigest()
+        self.run_id = fingerprint(model_id, args)
         self.folder, self.acceptance = args.out, args.acceptance
         self.known = {n: [None] * len(prompts) for n in names}
         os.makedirs(self.folder, exist_ok=True)
-        earlier = [self.path(n) for n in names if os.path.isfile(self.path(n))
-                   and os.path.getsize(self.path(n))]
-        if earlier and not (args.resume or args.overwrite):
-            raise ValueError(f"--out {self.folder} holds the answers of an earlier run "
-                             f"({os.path.basename(earlier[0])}): --resume goes on with them, "
-                             "--overwrite starts again, or give another --out")
         lines = {n: self.read(n) if args.resume else [] for n in names}
         index = {p["question_id"]: i for i, p in enumerate(prompts)}
         done = (set.intersection(*({a["question_id"] for a in lines[n]} for n in names))

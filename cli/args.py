@@ -25,6 +25,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
+# what frees memory: flags of both commands, and each one's own way to share the KV cache
+MEMORY_HINT = ("; try a smaller --batch-size, --max-new-tokens or --dtype, or a KV cache shared "
+               "across depths (run.py --kv shared, bench.py --methods wfd-shared)")
+
+
 def one_line_errors(main):
     """main, with every error in the user's input (arguments, files, configs, weights, devices, the
     hub: the ValueErrors and OSErrors this project raises for them) and running out of memory
@@ -49,9 +54,7 @@ def one_line_errors(main):
             if oom is None:
                 raise
             print("error: out of memory: " + " ".join(str(oom).split("\n")[0].split())[:300]
-                  + "; try a smaller "
-                  "--batch-size, --max-new-tokens or --capacity, --kv shared, or a smaller --dtype",
-                  file=sys.stderr)
+                  + MEMORY_HINT, file=sys.stderr)
             sys.exit(2)
         except KeyboardInterrupt as err:
             print(str(err) or "interrupted", file=sys.stderr)

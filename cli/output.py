@@ -73,13 +73,14 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24, seco
     trace = trace[:ticks]
     width = len(str(num_steps)) + 4
     lines, marks = {}, ("accepted", "rescued", "rejected", "drafted", "proposed")
+    keys = row_lines(trace)  # tick -> row id -> its line
     for t, tick in enumerate(trace):
-        later = {rid for _, _, rid, _ in trace[t + 1]["rows"]} if t + 1 < len(trace) else None
+        later = set(keys[t + 1].values()) if t + 1 < len(trace) else None
         note = {what: set(tick.get(what, ())) for what in marks}
         for pos, depth, rid, token in tick["rows"]:
-            line = lines.setdefault(rid, dict(name=f"#{pos - first_pos + 1:<3} {label(token)}",
-                                              cells={}))
-            dropped = (later is not None and rid not in later and depth < num_steps
+            line = lines.setdefault(keys[t][rid], dict(
+                name=f"#{pos - first_pos + 1:<3} {label(token)}", cells={}))
+            dropped = (later is not None and keys[t][rid] not in later and depth < num_steps
                        and rid not in note["rejected"])
             verdict = ("+" if rid in note["accepted"] else "^" if rid in note["rescued"] else
                        "x" if rid in note["rejected"] else "-" if dropped else "")
@@ -115,6 +116,24 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24, seco
     out.append(f"{committed} tokens committed in {len(trace)} R calls; "
                f"AR takes {num_steps} R calls per token.")
     return "\n".join(out)
+
+
+def row_lines(trace):
+    """Each tick's rows as lines of the picture: per tick, the row's identity -> its line. A trace
+    names a row by its object's id(), which Python gives again to a later object once the row is
+    gone, so a row goes on the line it had in the tick before only where it is at the same
+    position and deeper; else it is a new row, on a line of its own."""
+    keys, before, count = [], {}, 0
+    for tick in trace:
+        now = {}
+        for pos, depth, rid, _ in tick["rows"]:
+            line, was_pos, was_depth = before.get(rid, (None, None, None))
+            if line is None or was_pos != pos or was_depth >= depth:
+                line, count = count, count + 1
+            now[rid] = (line, pos, depth)
+        keys.append({rid: line for rid, (line, _, _) in now.items()})
+        before = now
+    return keys
 
 
 def text_of(tok, out):

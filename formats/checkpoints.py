@@ -175,7 +175,7 @@ def hub_error(source, err):
     """One line for a hub id that could not be fetched: which id, why (the hub cannot be reached,
     or it has no such repo), and how to give a local folder instead."""
     from huggingface_hub import errors
-    local = ("; download it on a machine that reaches the hub (huggingface-cli download "
+    local = ("; download it on a machine that reaches the hub (hf download "
              f"{source}) and give the local folder's path instead of the id")
     unreachable = (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, ConnectionError,
                    TimeoutError)

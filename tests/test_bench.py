@@ -366,7 +366,7 @@ OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 SWEEP_KEYS = {"sweep", "x_label", "model", "machine", "device", "threads", "torch", "dtype",
               "clock", "command", "date", "T", "draft_len", "emulated_acceptance", "prompts",
               "prompt_source", "max_new_tokens", "decoding", "compiled", "shown", "points",
-              "ar_again_tok_s", "batch_size"}
+              "ar_again_tok_s", "batch_size", "run_id"}
 POINT_KEYS = {"x", "k", "prompt_len", "prompt_source", "acceptance", "ideal", "methods"}
 METHOD_KEYS = {"label", "width", "tok_s", "speedup", "decode_speedup", "r_calls_per_token",
                "r_call_ratio", "acceptance", "rescues", "tokens_per_round", "kv_mib", "identical",
@@ -474,7 +474,6 @@ def test_sweep_length(capsys, tmp_path):
     (["--model", OURO_A, "--num-prompts", "2", "--batch-size", "3"],
      "--batch-size 3 is more than the 2 prompts"),
     (["--plot", "x.png"], "--plot draws a sweep: give --sweep NAME"),
-    (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
     (["--plot-from", "x.json", "--plot", "x.png", "--sweep", "acceptance"],
      "give it or --sweep, not both"),
     (["--points", "1,2"], "--points needs --sweep NAME"),

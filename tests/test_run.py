@@ -78,6 +78,9 @@ PROMPT_FILES = {  # name: content, each with one mistake (a line's named by its 
     "blank.txt": "\n  \n\n",
     "two.txt": "a\nb\n",
     "binary.txt": b"\x89PNG\r\n\x1a\n\x00\x00",
+    "latin-1.txt": b"ok\ncaf\xe9\n",
+    "surrogate.jsonl": '{"prompt": "x"}\n{"prompt": "a\\ud800b"}\n',
+    "q.jsonl": json.dumps(dict(question_id=1, category="qa", turns=["Why?"])) + "\n",
     "no-points.json": json.dumps(dict(dict.fromkeys(figures.KEYS, ""), sweep="length", points=[])),
 }
 
@@ -164,7 +167,14 @@ CASES = [  # (script, arguments, what the one line says)
     (run, ["--prompts-file", "no_such.txt"],
      "^error: --prompts-file no_such.txt: No such file or directory$"),
     (run, ["--prompts-file", "binary.txt"],
-     r"^error: --prompts-file .*binary.txt: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+     r"^error: --prompts-file .*binary.txt line 1: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+    (run, ["--prompts-file", "latin-1.txt"],
+     r"^error: --prompts-file .*latin-1.txt line 2: not UTF-8 text \(byte 0xe9 at offset 6\)$"),
+    (run, ["--prompts-file", "surrogate.jsonl"],
+     r"^error: --prompts-file .*surrogate.jsonl line 2: the prompt holds U\+D800, a lone "
+     "surrogate"),
+    (run, ["--prompt", "caf\udce9"],
+     r"^error: --prompt: not UTF-8 text \(byte 0xe9 at character 3\)$"),
     (run, ["--prompts-file", "folder"], "^error: --prompts-file .*folder: Is a directory$"),
     (run, ["--prompts-file", "two.txt", "--batch-size", "0"], "--batch-size must be at least 1"),
     (run, ["--prompt", "x", "--batch-size", "2"], "--batch-size needs --prompts-file"),
@@ -183,7 +193,11 @@ CASES = [  # (script, arguments, what the one line says)
     (bench, ["--random-weights", "binary.txt"],
      "^error: --random-weights: .*binary.txt is not valid JSON"),
     (bench, ["--questions", "binary.txt"],
-     r"^error: --questions .*binary.txt: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+     r"^error: --questions .*binary.txt line 1: not UTF-8 text \(byte 0x89 at offset 0\)$"),
+    (bench, ["--questions", "q.jsonl", "--categories", "qa,nosuch"],
+     r"^error: --categories nosuch: no question of .*q\.jsonl has it; its categories: qa$"),
+    (bench, ["--methods", ""], "^error: --methods names no method: choose from ar, "),
+    (bench, ["--out", "binary.txt"], r"^error: --out .*binary\.txt is a file: give a folder"),
     (bench, ["--seed", "-1"], "^error: --seed must be at least 0, not -1"),
     (bench, ["--model", "nobody/no-such-model"],
      "^error: --model: could not get 'nobody/no-such-model' from the Hugging Face hub: the hub "
@@ -192,7 +206,7 @@ CASES = [  # (script, arguments, what the one line says)
      "--paper runs the Spec-Bench questions through a checkpoint's"),
     (bench, ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
     (bench, ["--tokenizer", "tokenizer"], r"^error: --tokenizer: .*tokenizer\.json is not a"),
-    (bench, ["--questions", "two.txt", "--model", OURO_A],
+    (bench, ["--questions", "q.jsonl", "--model", OURO_A],
      r"--questions needs the model's tokenizer\.json"),
     (bench, ["--questions", "two.txt"], r"two\.txt line 1 is not a Spec-Bench question"),
     (bench, ["--plot-from", "two.txt", "--plot", "x.png"], r"two\.txt is not JSON"),
@@ -210,7 +224,7 @@ def test_a_mistake_is_one_line_and_status_2(script, argv, message, damaged, prom
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = [damaged.get(a, prompt_files.get(a, a)) for a in argv]
     with pytest.raises(SystemExit) as exit:
-        script.main(argv + (["--out", ""] if script is bench else []))
+        script.main(argv + (["--out", ""] if script is bench and "--out" not in argv else []))
     out, err = capsys.readouterr()
     assert exit.value.code == 2
     assert out == ""  # refused before the prompt is streamed
