@@ -8,9 +8,14 @@ suite also checks.
 The tests' tiny models see a few dozen positions, fewer than one attention block of a real run
 (engine/kv_cache.py's BLOCK): with blocks of 8 keys every decoding test reads and merges several of
 them."""
+import os
+
 import pytest
 
+import models
 from engine import kv_cache
+
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "testdata")
 
 
 def pytest_addoption(parser):
@@ -33,3 +38,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def small_kv_blocks(monkeypatch):
     monkeypatch.setattr(kv_cache, "BLOCK", 8)
+
+
+# the golden checkpoints (tests/testdata/) as the goldens' official runs load them, one per module
+@pytest.fixture(scope="module")
+def huginn():
+    return models.load(os.path.join(TESTDATA, "huginn_A"), state_init="zero")
+
+
+@pytest.fixture(scope="module")
+def ouro():
+    return models.load(os.path.join(TESTDATA, "ouro_A"))
+
+
+@pytest.fixture(scope="module")
+def parcae():
+    return models.load(os.path.join(TESTDATA, "parcae_A"), state_init="zero")

@@ -96,7 +96,7 @@ def test_twelve_prompts_through_four_slots_refill_exactly():
         if dtype == torch.float64:
             for prompt, out in zip(prompts, outs):
                 assert engine.generate(model, prompt, 20, method="ar", width=1,
-                                    eos_token_id=eos).tokens == out.tokens
+                                       eos_token_id=eos).tokens == out.tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
@@ -109,7 +109,7 @@ def test_batched_sampling_with_a_seed_per_prompt(dtype):
     if dtype == torch.float64:  # each prompt as if alone, with its own seed
         for prompt, out, seed in zip(prompts, outs, sampling["seed"]):
             alone = engine.generate(model, prompt, 14, method="ar", width=1,
-                                 **dict(sampling, seed=seed))
+                                    **dict(sampling, seed=seed))
             assert alone.tokens == out.tokens
 
 
@@ -137,8 +137,9 @@ def test_batched_callbacks_take_the_prompts_index():
     model = tiny_model("ouro", 0)
     prompts = prompts_for(model, 3, 1)
     tokens, trace = {0: [], 1: [], 2: []}, []
-    outs = engine.generate(model, prompts, 6, batch_size=2, on_token=lambda i, t: tokens[i].append(t),
-                        trace=trace)
+    outs = engine.generate(model, prompts, 6, batch_size=2, on_token=lambda i,
+                           t: tokens[i].append(t),
+                           trace=trace)
     assert [tokens[i] for i in range(3)] == [o.tokens for o in outs]
     assert {e["index"] for e in trace} == {0, 1, 2}
     assert [o.stats["index"] for o in outs] == [0, 1, 2]

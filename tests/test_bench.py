@@ -541,7 +541,7 @@ def test_batch_size(capsys):
         assert out["figs"][name]["tok_s"] == pytest.approx(tokens / max(r["batch_s"] for r in recs))
         for r in recs:
             assert r["tokens"] == engine.generate(model, r["prompt"]["ids"], 8, method="ar",
-                                               width=1).tokens
+                                                  width=1).tokens
 
 
 def test_batch_emulated_acceptance_per_prompt(capsys):

@@ -14,11 +14,11 @@ from tokenizers import Tokenizer, decoders
 from tokenizers import models as tokenizer_models
 
 import bench
-from formats import chat, devices
-from engine import kv_cache
+import engine
 import models
 import run
-import engine
+from engine import kv_cache
+from formats import chat, devices
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the project

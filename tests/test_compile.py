@@ -24,8 +24,8 @@ def test_compiled_wfd_and_dtv_equal_compiled_ar(dtype):
 
     def run(method, k, **kw):
         return engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                            draft_len=1 + k % (width - 1), width=width, capacity=capacity,
-                            keep_logits=True, compile=True, **kw)
+                               draft_len=1 + k % (width - 1), width=width, capacity=capacity,
+                               keep_logits=True, compile=True, **kw)
 
     graphs = counters["stats"]["unique_graphs"]
     greedy = run("ar", T)
@@ -65,7 +65,8 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
 
     def run(method, k, compile):
         return engine.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
-                            capacity=15, keep_logits=True, compile=compile, temperature=0.8, seed=2)
+                               capacity=15, keep_logits=True, compile=compile, temperature=0.8,
+                               seed=2)
 
     ar = run("ar", T, True)
     del replays[:]
@@ -130,7 +131,7 @@ def test_compiled_batched_wfd_equals_compiled_batched_ar():
 
     def run(method, k, **kw):
         return engine.generate(model, prompts, n_new, method=method, draft_steps=k, width=width,
-                            batch_size=2, capacity=16, keep_logits=True, compile=True, **kw)
+                               batch_size=2, capacity=16, keep_logits=True, compile=True, **kw)
 
     ar = run("ar", T)
     for k in (2, T // 2):
@@ -148,12 +149,13 @@ def test_compiled_schedules_compile_nothing_and_equal_compiled_ar(monkeypatch):
     model = models.from_config(tiny_config("ouro", 7), dtype=torch.bfloat16, device=DEVICE,
                                init_seed=7)
     prompt, n_new, width = [5, 6, 7], 27, 2  # positions up to 28 of 32: 1, 2, 4 key blocks of 8
-    run = lambda method, n=n_new, **kw: engine.generate(model, prompt, n, method=method, width=width,
-                                                     capacity=32, keep_logits=True,
-                                                     compile=True, **kw)
+    run = lambda method, n=n_new, **kw: engine.generate(model, prompt, n, method=method,
+                                                        width=width,
+                                                        capacity=32, keep_logits=True,
+                                                        compile=True, **kw)
     assert run("ar", 4).stats["graphs_compiled"] > 0  # one key block's graphs
     assert engine.compile_graphs(model, prompt, n_new, method="ar", width=width,
-                              capacity=32) > 0  # 2 and 4 blocks
+                                 capacity=32) > 0  # 2 and 4 blocks
     ar = run("ar")
     for method, k in (("wfd", -(-model.num_steps // width)), ("dtv", 1), ("dtv", 2)):
         out = run(method, draft_steps=k, draft_len=1)
@@ -172,9 +174,10 @@ def test_compiled_wfd_equals_compiled_ar_across_every_key_bucket():
     forced wrong, and sampled."""
     model = tiny_model("huginn", 2, torch.bfloat16)
     T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [3, 1, 4], 60  # positions to 62
-    run = lambda method, k, **kw: engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                               width=T, capacity=64, keep_logits=True,
-                                               compile=True, **kw)
+    run = lambda method, k, **kw: engine.generate(model, prompt, n_new, method=method,
+                                                  draft_steps=k,
+                                                  width=T, capacity=64, keep_logits=True,
+                                                  compile=True, **kw)
     for sampling in (dict(), dict(temperature=0.8, seed=3)):
         ar = run("ar", T, **sampling)
         for k in (1, 2):

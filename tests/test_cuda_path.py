@@ -8,15 +8,13 @@ AR's tokens, greedy, sampled, with the second proposal, batched with refill and 
 With WFD_TEST_DEVICE=cuda (gpu_check.sh) the same tests run on the GPU for real: CUDA graphs,
 pinned staging, CUDA events."""
 import functools
-import random
 
 import pytest
 import torch
 
-from engine import kv_cache
 import engine
 from cli import args
-from engine import checks, compiling, memory, model_runner, siblings, staging
+from engine import checks, compiling, kv_cache, memory, model_runner, siblings, staging
 from formats import devices
 from test_batch import prompts_for
 from test_siblings import FAMILIES, model_of
@@ -194,7 +192,7 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
     wrong = lambda pos, token, depth=None: (token + 1) % V if pos % 4 == 0 else token
     hook = (lambda i, *a, **d: wrong(*a, **d)) if batched else wrong
     run = lambda method, **more: engine.generate(model, prompts, n_new, method=method,
-                                              compile=True, **kw, **more)
+                                                 compile=True, **kw, **more)
     outs = {"wfd": run("wfd", draft_hook=hook)}
     width = (outs["wfd"][0] if batched else outs["wfd"]).stats["width"]
     if case == "greedy":
@@ -215,9 +213,9 @@ def test_the_cuda_path_equals_ar(kind, case, imitation):
 
 def test_compiled_attention_on_the_cuda_path_runs_on_aten_kernels(monkeypatch):
     """A compiled call attends through einsum and SDPA on the CUDA path, through sums written out
-    (kv_cache.block_attention) on a CPU. On an H200 the sums' Triton kernels summed a row in an order
-    that depended on the graph, so that compiled WFD and AR parted at the first call across two
-    key blocks (compiling.sums_written_out)."""
+    (kv_cache.block_attention) on a CPU. On an H200 the sums' Triton kernels summed a row in an
+    order that depended on the graph, so that compiled WFD and AR parted at the first call across
+    two key blocks (compiling.sums_written_out)."""
     model = model_of("ouro", 0, torch.float32)
     cache, sums = kv_cache.make_cache(model, 16, model.num_steps), []
     written_out = kv_cache.sums_written_out  # what the compiled call's prepare asks

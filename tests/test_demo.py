@@ -55,9 +55,9 @@ def test_demo_wfd_and_dtv_equal_ar_on_held_out_prompts(dtype):
         for k in (1, 2, 3):
             for method, width in (("wfd", None), ("dtv", 5)):
                 out = engine.generate(model, prompt, 40, method=method, draft_steps=k,
-                                   keep_logits=True)
+                                      keep_logits=True)
                 ar = engine.generate(model, prompt, 40, method="ar", draft_steps=k, width=width,
-                                  keep_logits=True)
+                                     keep_logits=True)
                 assert out.tokens == ar.tokens, (method, k)
                 assert torch.equal(torch.stack(out.logits), torch.stack(ar.logits)), (method, k)
 

@@ -17,14 +17,14 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models as tok_models
 from tokenizers.pre_tokenizers import Whitespace
 
-from engine import kv_cache
-import models
 import engine
+import models
+from engine import kv_cache, model_runner
 from formats import checkpoints, configs
 from layers import transformer
-from engine import model_runner
 from test_batch import check_against_batched_ar, prompts_for
-from test_engine import DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits, tiny_model
+from test_engine import (DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits,
+                         tiny_model)
 
 torch.set_num_threads(1)
 
@@ -473,8 +473,8 @@ def test_compiled_wfd_equals_compiled_ar():
 
         def run(method, k, compile=True, **kw):
             return engine.generate(model, prompt, n_new, method=method, draft_steps=k, width=T,
-                                capacity=len(prompt) + n_new, keep_logits=True, compile=compile,
-                                **kw)
+                                   capacity=len(prompt) + n_new, keep_logits=True, compile=compile,
+                                   **kw)
         for sampling in (dict(), dict(temperature=0.9, seed=1)):
             ar = run("ar", T, **sampling)
             for k in (1, 2):
@@ -724,7 +724,7 @@ def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
         del reads[:], made[:], fetched[:]
         prefilling[0] = True
         outs = engine.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
-                            **sampling)
+                               **sampling)
         outs = outs if isinstance(outs, list) else [outs]
         assert len(reads) == len(fetched) and not made, (kind, method, reads)
         for out in outs:

@@ -25,7 +25,7 @@ import run
 import engine
 from cli.output import answer_text
 from formats import checkpoints, devices
-from engine import model_runner, memory
+from engine import model_runner
 from test_chat import CHATML, checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -159,7 +159,8 @@ def test_temperature_zero_is_greedy_and_a_seed_gives_its_tokens():
     assert greedy.tokens == [int(x.argmax()) for x in greedy.logits]
     assert engine.generate(model, prompt, 30, temperature=0.0, seed=5).tokens == greedy.tokens
     logits = torch.stack(greedy.logits)
-    assert torch.equal(sampling.choose(logits, torch.arange(30), sampling.Sampling()), logits.argmax(-1))
+    assert torch.equal(sampling.choose(logits, torch.arange(30), sampling.Sampling()),
+                       logits.argmax(-1))
     runs = [engine.generate(model, prompt, 30, temperature=1.0, seed=s).tokens for s in (0, 0, 1)]
     assert runs[0] == runs[1] and runs[0] != runs[2] and runs[0] != greedy.tokens
 
@@ -168,11 +169,12 @@ def test_filters_never_emit_a_filtered_token():
     model = tiny_model("huginn", 4, torch.float32)
     prompt = [9, 9, 2]
     for seed in range(3):
-        out = engine.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed, keep_logits=True)
+        out = engine.generate(model, prompt, 40, temperature=2.0, top_k=3, seed=seed,
+                              keep_logits=True)
         for tok, z in zip(out.tokens, out.logits):
             assert z[tok] >= z.topk(3).values[-1]
         out = engine.generate(model, prompt, 40, temperature=1.5, top_p=0.3, seed=seed,
-                           keep_logits=True)
+                              keep_logits=True)
         assert any(int(z.argmax()) != t for t, z in zip(out.tokens, out.logits))  # it does sample
         for tok, z in zip(out.tokens, out.logits):
             assert expected_probs(z, 1.5, top_p=0.3)[tok] > 0
@@ -209,15 +211,15 @@ def test_sampled_forced_drafts_still_give_ar(kind, seed):
     for k in range(1, T):
         for method in ("wfd", "dtv"):
             right = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                 draft_hook=lambda p, t: at(p), **s)
+                                    draft_hook=lambda p, t: at(p), **s)
             assert right.tokens == ref and right.stats["rejected"] == 0
             wrong = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                 draft_hook=lambda p, t: (at(p) + 1) % V, **s)
+                                    draft_hook=lambda p, t: (at(p) + 1) % V, **s)
             assert (wrong.tokens == ref and wrong.stats["accepted"] == 0
                     and wrong.stats["rejected"] > 0)
             some = engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p),
-                                **s)
+                                   draft_hook=lambda p, t: (at(p) + 1) % V if p % 3 == 0 else at(p),
+                                   **s)
             assert some.tokens == ref and some.stats["accepted"] > 0 and some.stats["rejected"] > 0
 
 
@@ -233,7 +235,7 @@ def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
             for method, hook in (("wfd", None), ("wfd", lambda p, t: at(p)),
                                  ("dtv", lambda p, t: at(p))):
                 out = engine.generate(model, prompt, 30, method=method, draft_steps=k,
-                                   eos_token_id=ref[i], draft_hook=hook, **s)
+                                      eos_token_id=ref[i], draft_hook=hook, **s)
                 assert out.tokens == ref[:stop + 1], (method, k, i)
 
 
@@ -250,7 +252,7 @@ def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
         for hook in (None, lambda p, t: (at(p) + 1) % V,
                      lambda p, t: at(p) if p % 3 else (at(p) + 1) % V):
             out = engine.generate(model, prompt, n_new, kv="shared", draft_steps=k,
-                               draft_hook=hook, **s)
+                                  draft_hook=hook, **s)
             assert out.tokens == ar.tokens, k
 
 
@@ -267,7 +269,7 @@ def test_sampled_float32_goldens_every_method_and_depth(name, steps, s):
     for k in range(1, steps + 1):
         for method in ("wfd", "dtv"):
             out = engine.generate(model, prompt, 24, method=method, num_steps=steps,
-                               draft_steps=k, **s)
+                                  draft_steps=k, **s)
             assert out.tokens == ar.tokens, (method, k)
 
 

@@ -8,9 +8,8 @@ import random
 import pytest
 import torch
 
-from engine import kv_cache
 import engine
-from engine import model_runner
+from engine import kv_cache, model_runner
 from layers.transformer import VE_GATE_CHANNELS, value_gate
 from test_batch import prompts_for
 from test_families import KINDS, tiny_family
@@ -40,15 +39,16 @@ def depths(T, every=False):
 def siblings(model, prompt, n_new, k, m, **kw):
     """The second proposal's output, checked against AR at its width through the same calls, and
     (not compiled) against plain AR at that width."""
-    out = engine.generate(model, prompt, n_new, draft_steps=k, second_depth=m, keep_logits=True, **kw)
+    out = engine.generate(model, prompt, n_new, draft_steps=k, second_depth=m, keep_logits=True,
+                          **kw)
     kw.pop("draft_hook", None)
     kw.pop("width", None)
     ref = engine.generate(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
-                       width=out.stats["width"], keep_logits=True, **kw)
+                          width=out.stats["width"], keep_logits=True, **kw)
     assert same_logits(out, ref), (k, m, model.dtype, kw)
     if not kw.get("compile"):
         plain = engine.generate(model, prompt, n_new, method="ar", draft_steps=k,
-                             width=out.stats["width"], keep_logits=True, **kw)
+                                width=out.stats["width"], keep_logits=True, **kw)
         assert same_logits(out, plain), (k, m, model.dtype, kw)
     return out
 
@@ -109,7 +109,7 @@ def test_each_verify_is_counted_by_the_depth_its_kept_token_came_from():
             want = ref[pos - len(prompt)]
             return want if right or depth else (want + 1) % V
         out = engine.generate(model, prompt, n_new, draft_steps=1, second_depth=2, width=5,
-                           draft_hook=hook)
+                              draft_hook=hook)
         st, verifies = out.stats, n_new - 2  # every committed token but the prefill's and the last
         assert out.tokens == ref and st["drafted"] == calls[None]
         assert st["accepted"] + st["rescued"] + st["rejected"] == verifies, st
@@ -152,9 +152,9 @@ def test_batched_siblings_with_refill_equal_batched_ar(kind, dtype):
                                                                                    depth)
                                               if i == 1 else token)
     outs = engine.generate(model, prompts, 14, draft_steps=1, second_depth=T - 1, batch_size=2,
-                        draft_hook=hook, keep_logits=True)
+                           draft_hook=hook, keep_logits=True)
     same = engine.generate(model, prompts, 14, method="ar", draft_steps=1, second_depth=T - 1,
-                        batch_size=2, width=outs[0].stats["width"], keep_logits=True)
+                           batch_size=2, width=outs[0].stats["width"], keep_logits=True)
     assert all(same_logits(o, r) for o, r in zip(outs, same))
     assert outs[1].stats["rescued"] > 0
     if dtype == torch.float64:
@@ -211,10 +211,11 @@ def test_a_rows_bits_do_not_depend_on_its_lane(kind, dtype, monkeypatch):
     model = model_of(kind, 4, dtype)
     T, prompt = model.num_steps, [3, 1, 4, 1, 5, 9]
     run = lambda method: engine.generate(model, prompt, 16, method=method, draft_steps=1, width=12,
-                                      keep_logits=True)
+                                         keep_logits=True)
     refs = {method: run(method) for method in ("ar", "wfd")}
     for shift in (1, 4, 7, 11):
-        monkeypatch.setattr(model_runner.Decoder, "lane_of", lambda self, pos: (pos + shift) % self.width)
+        monkeypatch.setattr(model_runner.Decoder, "lane_of", lambda self,
+                            pos: (pos + shift) % self.width)
         for method, ref in refs.items():
             assert same_logits(run(method), ref), (method, shift)
 
@@ -266,10 +267,10 @@ def test_compiled_siblings_compile_nothing_and_equal_compiled_ar(kind, dtype, ca
     T, V, prompt, n_new = model.num_steps, model.args.vocab_size, [5, 6, 7], capacity - 5
     k, m = 1, T - 1
     run = lambda method, **kw: engine.generate(model, prompt, n_new, method=method, draft_steps=k,
-                                            second_depth=m, capacity=capacity, keep_logits=True,
-                                            compile=True, **kw)
+                                               second_depth=m, capacity=capacity, keep_logits=True,
+                                               compile=True, **kw)
     assert engine.compile_graphs(model, prompt, n_new, method="ar", draft_steps=k, second_depth=m,
-                              capacity=capacity) > 0
+                                 capacity=capacity) > 0
     ref = run("ar")
     assert ref.stats["graphs_compiled"] == 0
     for sampling in (dict(), dict(temperature=0.8, seed=2)):
