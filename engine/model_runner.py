@@ -23,7 +23,7 @@ from layers.noise import M32, mix32
 
 
 @dataclass
-class Readout:
+class LaneReadout:
     """What a C call read from a row: its token, and, for the rows whose logits are kept or
     digested, their place in the read."""
     token: int               # the token this row's logits choose for the next position
@@ -208,7 +208,7 @@ class Decoder:
         sampler = self.sampler._replace(key=self.keys[slot * self.width])
         logits, chosen = read_body(self.model, s, e, call, sampler, [n - 1], self.salt)
         token, finite, *digest = fetch(chosen[:, 0])
-        return seq.commit(Readout(token, bool(finite), logits, 0, *digest))
+        return seq.commit(LaneReadout(token, bool(finite), logits, 0, *digest))
 
     def stage(self, rows, value=None):
         """A call's Lines, filled from its rows and sent to the device, and the call itself: its
@@ -326,7 +326,7 @@ class Decoder:
 
     def read(self, runs):
         """C: each running row's logits and the token they choose, in one call and one transfer to
-        the host. Returns each run's Readouts. A row read at full depth retires: a winner in a
+        the host. Returns each run's LaneReadouts. A row read at full depth retires: a winner in a
         branch column settles (BranchColumns.settle)."""
         rows = [r for run in runs for r in run.waits.rows]
         sent, branches, top = self.stage(rows)
@@ -341,6 +341,6 @@ class Decoder:
         for run in runs:
             run.seq.stats["c_calls"] += 1
             run.seq.stats["host_syncs"] += 1
-            out.append([Readout(tokens[r.lane], bool(finite[r.lane]), logits, r.lane,
-                                *(d[r.lane] for d in digests)) for r in run.waits.rows])
+            out.append([LaneReadout(tokens[r.lane], bool(finite[r.lane]), logits, r.lane,
+                                    *(d[r.lane] for d in digests)) for r in run.waits.rows])
         return out

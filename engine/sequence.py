@@ -77,8 +77,8 @@ class Sequence(wfd.Sequence):
         return ok
 
     def commit(self, out):
-        """wfd.Sequence.commit of a Readout (engine/model_runner.py), its logits refused when not
-        finite, kept as a copy of the row or digested."""
+        """wfd.Sequence.commit of a LaneReadout (engine/model_runner.py), its logits refused when
+        not finite, kept as a copy of the row or digested."""
         if not out.finite:  # argmax would quietly pick token 0
             where = f"prompt {self.index}: " if self.batched else ""
             pos = len(self.prompt) + len(self.tokens)
