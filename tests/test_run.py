@@ -117,6 +117,12 @@ CASES = [  # (script, arguments, what the one line says)
      ".*not dtv$"),
     (run, ["--prompt", "x", "--max-new-tokens", "100000"], "exceeds the model's context"),
     (run, ["--prompt", "x", "--threads", "-2"], "--threads must be at least 1"),
+    (run, ["--prompt", "x", "--engine", "reference", "--temperature", "0.5"],
+     "^error: --temperature is the engine's: --engine reference runs wfd.py's plain loop"),
+    (run, ["--prompt", "x", "--engine", "reference", "--compile"],
+     "^error: --compile is the engine's"),
+    (run, ["--prompt", "x", "--engine", "reference", "--method", "dtv", "--kv", "shared"],
+     "^error: --kv shared is not exact for draft-then-verify"),
     (run, ["--prompt", "x", "--eos", "2,a"], "--eos takes comma-separated integers"),
     (run, ["--prompt", "x", "--eos", "5000"], "^error: --eos 5000 is outside the vocabulary"),
     (run, ["--prompt", "x", "--method", "dtv", "--kv", "shared"],
@@ -310,6 +316,18 @@ def test_json_is_strict_for_every_method(capsys):
     out = [strict(line) for line in captured.out.splitlines()]
     assert [o["method"] for o in out] == ["ar1", "ar", "wfd"] and "skipping dtv" in captured.err
     assert out[2]["stats"]["window"] == 2
+
+
+def test_the_reference_says_whether_its_schedules_gave_its_ar(capsys):
+    """--engine reference --method all: wfd.py's AR, WFD and DtV, and the verdict on their tokens;
+    with one method, its text streamed and its stats line."""
+    run.main(["--prompt", "def f(n):", "--engine", "reference", "--method", "all",
+              "--max-new-tokens", "12"])
+    out = capsys.readouterr().out
+    assert "[reference wfd] 12 tokens" in out and "[reference dtv] 12 tokens" in out
+    assert out.rstrip().endswith("reference: WFD and DtV gave AR's tokens: yes")
+    run.main(["--prompt", "def f(n):", "--engine", "reference", "--max-new-tokens", "12"])
+    assert "[reference wfd] 12 tokens, " in capsys.readouterr().out
 
 
 def test_the_text_and_stats_lines(capsys):
