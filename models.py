@@ -108,8 +108,8 @@ class Call(NamedTuple):
     """What a P / R / C call's bodies read besides the rows' data, on the model's device. The
     engine's calls (engine/model_runner.py) carry these fields too, and more for its cache."""
     pos: torch.Tensor                # [N] the rows' positions (-1: an idle lane of the engine's)
-    depth: Optional[torch.Tensor]    # [N] their depths (R); None in P and C, which run no looped
-                                     # layer
+    depth: Optional[torch.Tensor]    # [N] their depths, or an int for all (R); None in P and C,
+                                     # which run no looped layer
     cache: object = None             # kv.KVCache (prepare, attend); None: causal over 0..N-1
     clock: Optional[torch.Tensor] = None  # LoopFormer: the blocks' modulation per depth
     busy: bool = True                # every lane holds a row: R keeps no idle lane's state
