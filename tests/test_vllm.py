@@ -45,9 +45,10 @@ def speculation(folder, n):
 def engine(folder, n=None, k=None, **settings):
     """A vLLM engine of the checkpoint in this process, float32, eager; with n, self-speculation of
     n tokens drafted at depth k (the config's wfd_draft_steps where k is None)."""
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+    settings = {"seed": 0, **settings}
+    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256,
               speculative_config=n and speculation(folder, n),
-              hf_overrides={"wfd_draft_steps": k} if k else None, **settings)
+              hf_overrides=None if k is None else {"wfd_draft_steps": k}, **settings)
     try:
         yield llm
     finally:
@@ -155,8 +156,60 @@ def start_up_error(folder, **settings):
     return str(err.value)
 
 
+def test_draft_depth_is_an_int_below_T():
+    """wfd_draft_steps: absent, the default max(1, T // 8); an int in 1..T-1, itself; anything else
+    (0, T, a bool, a float, a string) refused by the docstring's message."""
+    from types import SimpleNamespace
+
+    from wfd_vllm.model import draft_depth
+
+    def depth(T, **config):
+        target = SimpleNamespace(hf_config=SimpleNamespace(**config))
+        return draft_depth(SimpleNamespace(speculative_config=SimpleNamespace(
+            target_model_config=target)), T)
+
+    assert (depth(4), depth(32), depth(4, wfd_draft_steps=3)) == (1, 4, 3)
+    for k in (0, -1, 4, 5, True, False, 2.0, "2"):
+        with pytest.raises(ValueError, match=f"wfd_draft_steps={k!r} must be an integer in 1..3 "
+                           r"\(the full depth T is 4\)"):
+            depth(4, wfd_draft_steps=k)
+
+
+def test_draft_reads_the_weights_it_does_not_load():
+    """The draft loads none of the checkpoint's tensors, but reads vLLM's iterator to its end (vLLM
+    times the load from its first tensor)."""
+    from types import SimpleNamespace
+
+    from wfd_vllm.model import LoopedForCausalLM
+
+    tensors = iter([("a", torch.zeros(1)), ("b", torch.zeros(1))])
+    assert LoopedForCausalLM.load_weights(SimpleNamespace(is_draft=True), tensors) == set()
+    assert next(tensors, None) is None
+
+
+def test_initial_state_follows_the_engine_seed(tmp_path):
+    """Huginn's initial state is drawn from the engine's seed, as the project's from its seed: an
+    engine of seed 5 gives the AR of models.load(seed=5), whose logits are not seed 0's."""
+    tiny(tmp_path, "huginn")
+    model = models.load(tmp_path, seed=5)
+    prompts = [[5, 17, 300, 9]]
+    with engine(tmp_path, seed=5) as llm:
+        outputs = greedy(llm, prompts)
+    check_equals_ar(model, prompts, outputs)
+    seed0 = wfd.generate(models.load(tmp_path), prompts[0], 4, method="ar", keep_logits=True)
+    seed5 = wfd.generate(model, prompts[0], 4, method="ar", keep_logits=True)
+    assert not torch.allclose(seed0.logits[0], seed5.logits[0], atol=1e-3)
+
+
 def test_bad_input_is_refused_at_start_up(tmp_path):
     assert "wfd_draft_steps=4 must be an integer in 1..3" in start_up_error(DEMO, n=2, k=4)
+    assert "wfd_draft_steps=0 must be an integer in 1..3" in start_up_error(DEMO, n=2, k=0)
+    tiny(tmp_path / "loopformer", "loopformer")
+    # vLLM's dummy weights skip load_weights (and a CPU engine runs no forward at start-up)
+    with engine(tmp_path / "loopformer", load_format="dummy") as llm:
+        with pytest.raises(Exception) as err:
+            greedy(llm, [[5, 17]], 1)
+    assert "LoopFormer's clock table is not made" in repr(err.value) + str(err.value.__cause__)
     tiny(tmp_path / "hd16", hidden_size=32, head_dim=16)
     assert "head_dim 16 is not served" in start_up_error(tmp_path / "hd16")
     folder = tmp_path / "unknown"

@@ -46,7 +46,7 @@ DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its 
 SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families it runs (ModelArgs.kind)
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
-SEED = 0  # models.LoopedLM's default seed: Huginn's initial state, drawn as models.py draws it
+SEED = 0  # models.LoopedLM's default seed, where the engine has none
 _targets = {}  # checkpoint folder -> the target model built last for it in this process (weakref)
 
 
@@ -69,12 +69,25 @@ def model_args(model_config):
     return a
 
 
+def state_seed(model_config):
+    """The seed of Huginn's, Parcae's and the retrofits' initial state: the engine's seed. A
+    request's own SamplingParams.seed cannot move it: the model's forward is not told which
+    request a token belongs to (docs/serving.md)."""
+    seed = SEED if model_config.seed is None else model_config.seed
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"the engine's seed {seed!r} must be an integer >= 0: it seeds the "
+                         "initial state, as the project's --seed does")
+    return seed
+
+
 def draft_depth(vllm_config, T):
     """The draft depth k: the target's wfd_draft_steps (its config, or hf_overrides), else
     max(1, T // 8); refused unless 1 <= k < T."""
     target = vllm_config.speculative_config.target_model_config.hf_config
-    k = getattr(target, "wfd_draft_steps", None) or max(1, T // 8)
-    if not isinstance(k, int) or not 1 <= k < T:
+    k = getattr(target, "wfd_draft_steps", None)
+    k = max(1, T // 8) if k is None else k  # 0 is a depth to refuse, not a default to take
+    # bool is an int subclass: True would run as k = 1
+    if type(k) is not int or not 1 <= k < T:
         raise ValueError(f"draft depth wfd_draft_steps={k!r} must be an integer in 1..{T - 1} "
                          f"(the full depth T is {T})")
     return k
@@ -228,7 +241,10 @@ class LoopedForCausalLM(nn.Module):
                              f"{self.attn[0].attn_backend.get_name()} attention backend, which "
                              f"takes {sizes}")
         self.logits_processor = LogitsProcessor(a.vocab_size)
-        self.s0_key = sampling.mix32(sampling.seed_key(SEED) ^ S0_STREAM)
+        # the initial state's seed is the engine's (LLM(seed=N), the server's --seed N), as the
+        # project's models.load(seed=N) / run.py --seed N; the draft takes the target's
+        self.s0_key = target.s0_key if self.is_draft else sampling.mix32(
+            sampling.seed_key(state_seed(model_config)) ^ S0_STREAM)
 
     def embed_input_ids(self, input_ids):
         return self.weights.embed(input_ids) * self.args.embed_scale
@@ -237,6 +253,11 @@ class LoopedForCausalLM(nn.Module):
                 **kwargs):
         """The state C reads logits from: P, R `depth` times, then C up to the head."""
         w, a = self.weights, self.args
+        if w.clock is not None and w.clock_table is None:
+            # LoopFormer without its modulation would run, wrongly and silently
+            raise RuntimeError("LoopFormer's clock table is not made: it is made from the "
+                               "checkpoint's weights by load_weights, which did not run (a "
+                               "load_format that skips it, such as 'dummy', is not served)")
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = x if w.pos_embed is None else x + w.pos_embed(positions)
         # the rows of apply_rope: [N, 1, hd/2] in its arithmetic dtype (at least float32)
@@ -259,8 +280,8 @@ class LoopedForCausalLM(nn.Module):
         return s if a.norm_each_step else rms_norm(s, w.norm, a.norm_eps)
 
     def initial_state(self, positions):
-        """Huginn's s0: models.LoopedLM.initial_state's draw ("random", seed 0), a function of
-        the position alone."""
+        """Huginn's s0: models.LoopedLM.initial_state's draw ("random", the engine's seed), a
+        function of the position alone."""
         a = self.args
         z = sampling.truncated_normal(self.s0_key, positions, a.dim)
         return (z * (a.init_std * a.embed_scale)).to(self.weights.norm.dtype)
@@ -273,6 +294,10 @@ class LoopedForCausalLM(nn.Module):
         loader; a missing tensor is refused by name. The draft loads nothing: its weights are the
         target's."""
         if self.is_draft:
+            # read to the end all the same: vLLM's loader starts its "Loading weights took"
+            # clock at the iterator's first tensor, and without one it reports its uptime
+            for _ in weights:
+                pass
             return set()
         tensors = dict(weights)
         layout, _, rope = checkpoints.checkpoint_layout(self.args)
