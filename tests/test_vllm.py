@@ -78,6 +78,67 @@ def check_equals_ar(model, prompts, outputs):
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
+def project_generate(model, prompt, n, **options):
+    """The project's generate with the options only its engine takes (draft_hook, draft_steps)."""
+    return wfd.generate(model, prompt, n, **options)
+
+
+def project_drafts(model, prompt, n, k):
+    """The project's WFD at draft depth k: its tokens, and for each new token's index i, the token
+    its depth-k read drafted there from the committed tokens before i (the last draft_hook call
+    for the position: a draft read from a rejected row is always followed by the restarted
+    row's)."""
+    drafts = {}
+
+    def hook(pos, token):
+        drafts[pos - len(prompt)] = token
+        return token
+
+    ref = project_generate(model, prompt, n, method="wfd", draft_steps=k, draft_hook=hook)
+    return ref.tokens, drafts
+
+
+def check_drafts(llm, model, prompts, k):
+    """vLLM's draft proposals are the project's depth-k reads: each proposal made from committed
+    tokens only (the first of a round, and those after drafts that were right) equals the
+    project's draft at that index. One prompt per call, so a proposal's row is the prompt's; a
+    round's context is tracked as vLLM's greedy verification commits (the drafts up to the first
+    wrong one, then the target's token)."""
+    drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    rounds, propose = [], drafter.propose
+
+    def recorded(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        rounds.append((int(kwargs["next_token_ids"][0]), drafts[0].tolist()))
+        return drafts
+
+    drafter.propose, compared = recorded, 0
+    try:
+        for prompt in prompts:
+            rounds.clear()
+            out = list(greedy(llm, [prompt])[0].token_ids)
+            tokens, theirs = project_drafts(model, prompt, len(out), k)
+            assert tokens == out
+            committed = 1  # the prefill's token
+            for last, drafts in rounds:
+                if committed > len(out):
+                    break  # the round after the last token
+                assert last == out[committed - 1]  # the context is tracked right
+                right = 0
+                while right < len(drafts) and committed + right < len(out):
+                    i = committed + right
+                    if i in theirs:
+                        assert drafts[right] == theirs[i], (i, drafts, theirs[i])
+                        compared += 1
+                    if drafts[right] != out[i]:
+                        break
+                    right += 1
+                committed += right + 1
+    finally:
+        del drafter.propose
+    assert compared >= len(prompts) * NEW_TOKENS // 2  # most new tokens checked
+
+
 @pytest.fixture(scope="module")
 def demo():
     return models.load(DEMO)
@@ -138,6 +199,7 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
         draft = drafter.model
         assert draft.depth == k and not list(draft.parameters())  # the target's weights
         check_equals_ar(demo, prompts, greedy(llm, prompts))
+        check_drafts(llm, demo, prompts, k)
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2", "loopformer"])
