@@ -178,6 +178,17 @@ TINY["loopformer"] = {"architectures": ["LoopFormerGPTForCausalLM"], "model_type
                       "n_embd": 64, "bias": False, "intermediate_dim": 96, "max_model_loops": 4,
                       "torch_dtype": "float32"}
 
+# Parcae's config.json: a dump of its config class (no model_type), read by the path's "parcae"
+TINY["parcae"] = {"_class_name": "ParcaeConfig", "model_class_name": "Parcae", "n_embd": 64,
+                  "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 96,
+                  "recurrent_intermediation_embedding_dimension": 128, "vocab_size": 2048,
+                  "padded_vocab_size": 2048, "block_size": 256, "n_layers_in_prelude": 1,
+                  "n_layers_in_recurrent_block": 2, "n_layers_in_coda": 1, "mean_recurrence": 4,
+                  "mean_backprop_depth": 2, "injection_type": "diagonal", "qk_norm": True,
+                  "prelude_norm": True, "tie_embeddings": True, "norm_eps": 1e-5,
+                  "rope_settings": {"use_rope": True, "rope_base": 50000},
+                  "state_init": "like-init"}
+
 
 def tiny(folder, family="ouro", **config):
     """A random-weight checkpoint of the family in the hub format, with the demo's tokenizer."""
@@ -202,8 +213,9 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
         check_drafts(llm, demo, prompts, k)
 
 
-@pytest.mark.parametrize("family", ["ouro", "huginn", "llama", "olmo2", "loopformer"])
+@pytest.mark.parametrize("family", TINY)
 def test_tiny_random_family_equals_ar(tmp_path, family):
+    """Self-speculating (n = 3, k = 2); Parcae without too (test_tensor_parallel_2_equals_ar)."""
     model = tiny(tmp_path, family)
     prompts = [[5, 17, 300, 9], list(range(40, 70))]
     with engine(tmp_path, 3, 2) as llm:
@@ -349,11 +361,14 @@ def test_served_completion_and_chat_equal_ar(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_ar(prompts, tmp_path):
-    """Two ranks (worker processes), self-speculating, on an OLMo-2 retrofit: each rank with half
-    the q heads, the MLP and the vocabulary, its one kv head on both, the q and k norms over both
-    ranks' heads."""
-    model = tiny(tmp_path, "olmo2")
-    with engine(tmp_path, 3, 2, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+@pytest.mark.parametrize("family,n", [("olmo2", 3), ("parcae", None)])
+def test_tensor_parallel_2_equals_ar(prompts, tmp_path, family, n):
+    """Two ranks (worker processes): each rank with half the q heads, the MLP and the vocabulary;
+    an OLMo-2 retrofit self-speculating, its one kv head on both ranks, its q and k norms over
+    both ranks' heads; Parcae without self-speculation, its value tables' columns and gates' rows
+    by kv head, one on each rank."""
+    model = tiny(tmp_path, family)
+    k = 2 if n else None
+    with engine(tmp_path, n, k, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
         outputs = greedy(llm, prompts)
     check_equals_ar(model, prompts, outputs)

@@ -1,10 +1,13 @@
-"""Looped LMs (Ouro, Huginn) on vLLM's tensor-parallel layers and paged attention, drafting from
-their own shallow depth.
+"""Looped LMs (Ouro, Huginn and the Raven retrofits, LoopFormer, Parcae) on vLLM's tensor-parallel
+layers and paged attention, drafting from their own shallow depth.
 
 P, R and C are models.py's: P embeds the tokens (Huginn: and runs the prelude, whose output e every
-recurrence reads through the adapter, from an initial state drawn per position), R runs the
-weight-shared block (Ouro: then its norm), T times per token, C reads the state out (Huginn: ln_f,
-the coda, ln_f). Every prelude and coda layer, and every (depth d, core layer j), has an
+recurrence reads through the adapter, from an initial state drawn per position; Parcae: the
+prelude, ln_prelude, and e the diagonal injection's input term), R runs the weight-shared block
+(Ouro: then its norm; Parcae: on s * decay + e), T times per token, C reads the state out (Huginn:
+ln_f, the coda, ln_f; Parcae: the map C, the coda, ln_f). Parcae's blocks mix value embeddings
+(tables by token id, this rank's kv heads' columns) into v behind per-head gates, and norm q and
+k after RoPE. Every prelude and coda layer, and every (depth d, core layer j), has an
 `Attention` layer of its own (named layers.{i}: vLLM wants one index in a layer's name), so each
 depth keeps its own paged KV (models.py's KV slot per depth) while the depths share the layer's
 weights. The norms, RoPE, SwiGLU and Huginn's initial state are the project's (layers/,
@@ -37,13 +40,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from formats import checkpoints, configs
-from layers.transformer import MLPS, Block, Clock, apply_rope, rms_norm, rope_table
+from layers.transformer import (MLPS, QK_NORM_EPS, VE_GATE_CHANNELS, Block, Clock,
+                                DiagonalInjection, apply_rope, rms_norm, rope_table, value_gate)
 from models import S0_STREAM, ModelArgs
 from runtime import sampling
 from wfd_vllm import SCALING
 
 DRAFT_PREFIX = "draft_model"  # the prefix vLLM's DraftModelProposer builds its model under
-SERVED = ("ouro", "huginn", "retrofit", "loopformer")  # the families it runs (ModelArgs.kind)
+SERVED = ("ouro", "huginn", "retrofit", "loopformer", "parcae")  # ModelArgs.kind
 # a fused parameter's parts in checkpoint_layout's order -> the vLLM weight loader's shard ids
 SHARD_IDS = {"qkv.weight": ("q", "k", "v"), "fc.weight": (0, 1)}
 SEED = 0  # models.LoopedLM's default seed, where the engine has none
@@ -56,6 +60,8 @@ def model_args(model_config):
     huginn_raven config is huginn-0125's or a retrofit's (the checkpoint's tensor names),
     LoopFormer's iteration count (the repo id's)."""
     config, keys = model_config.hf_config.to_dict(), None
+    if config.get("model_type") == "parcae":  # a dump, named by its _class_name (ParcaeConfig)
+        del config["model_type"]
     if SCALING in config:
         config["rope_scaling"] = config.pop(SCALING)
     if config.get("model_type") == "huginn_raven":
@@ -99,7 +105,9 @@ class LoopedBlock(nn.Module):
     retrofit's x + f(norm x), an OLMo-2 retrofit's x + norm(f(x)) with q and k norms) on vLLM's
     parallel linears; attention by the `attn` layer of the depth it runs at."""
 
-    def __init__(self, a, prefix):
+    def __init__(self, a, prefix, hidden_dim, ve_index=None):
+        """hidden_dim: its MLP's width; ve_index (Parcae): which of the value-embedding tables
+        it mixes into v (None: none)."""
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.args, self.heads = a, a.n_heads // tp
@@ -109,10 +117,10 @@ class LoopedBlock(nn.Module):
                                      bias=False, prefix=f"{prefix}.qkv")
         self.proj = RowParallelLinear(a.n_heads * a.head_dim, a.dim, bias=False,
                                       prefix=f"{prefix}.proj")
-        self.fc = (MergedColumnParallelLinear(a.dim, [a.hidden_dim] * 2, bias=False,
+        self.fc = (MergedColumnParallelLinear(a.dim, [hidden_dim] * 2, bias=False,
                                               prefix=f"{prefix}.fc") if a.mlp == "swiglu" else
-                   ColumnParallelLinear(a.dim, a.hidden_dim, bias=False, prefix=f"{prefix}.fc"))
-        self.down = RowParallelLinear(a.hidden_dim, a.dim, bias=False, prefix=f"{prefix}.down")
+                   ColumnParallelLinear(a.dim, hidden_dim, bias=False, prefix=f"{prefix}.fc"))
+        self.down = RowParallelLinear(hidden_dim, a.dim, bias=False, prefix=f"{prefix}.down")
         norm = lambda width, on: (nn.Parameter(torch.ones(width), requires_grad=False) if on
                                   else None)
         weighted_in = a.in_norm and a.norm_weights  # LoopFormer's input norms have no weight
@@ -121,7 +129,11 @@ class LoopedBlock(nn.Module):
         # OLMo-2: over the whole q and k projections, every head: this rank's share
         self.q_norm, self.k_norm = norm(self.q_size, a.qk_proj_norm), norm(self.kv_size,
                                                                            a.qk_proj_norm)
-        for p in (self.q_norm, self.k_norm):
+        # Parcae: the value-embedding gate's rows of this rank's kv heads
+        self.ve_index = ve_index
+        self.ve_gate = ve_index is not None and nn.Linear(
+            VE_GATE_CHANNELS, self.kv_size // a.head_dim, bias=False).requires_grad_(False) or None
+        for p in (self.q_norm, self.k_norm, self.ve_gate and self.ve_gate.weight):
             if p is not None:
                 p.weight_loader = self.load_heads
         if a.qk_bias:  # [2, 1, heads, head_dim]: this rank's heads
@@ -157,12 +169,16 @@ class LoopedBlock(nn.Module):
         mean = squares / (t.shape[-1] * tp)
         return (tf * torch.rsqrt(mean + a.norm_eps)).to(t.dtype) * weight
 
-    def forward(self, x, cos, sin, attn, mod=None):
-        """mod (LoopFormer): the block's modulation at the rows' depth, [4D]."""
+    def forward(self, x, cos, sin, attn, mod=None, ve=None):
+        """mod (LoopFormer): the block's modulation at the rows' depth, [4D]; ve (Parcae): the
+        rows' value embeddings of this block's table, this rank's kv heads, [N, kv width]."""
         a = self.args
         gate_attn, gate_mlp, scale_attn, scale_mlp = [None] * 4 if mod is None else mod.chunk(4, -1)
-        q, k, v = self.qkv(self.sublayer_input(x, self.attn_norm, scale_attn))[0].split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        h = self.sublayer_input(x, self.attn_norm, scale_attn)
+        q, k, v = self.qkv(h)[0].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.ve_gate is not None:  # v + 2 sigmoid(gate of h) x ve, per kv head
+            gate = value_gate(h, self.ve_gate.weight)
+            v = v + (gate[..., None] * ve.unflatten(-1, (-1, a.head_dim))).flatten(1)
         if self.q_norm is not None:
             q, k = self.qk_proj_norm(q, self.q_norm), self.qk_proj_norm(k, self.k_norm)
         q, k = (t.unflatten(-1, (-1, a.head_dim)) for t in (q, k))
@@ -170,6 +186,8 @@ class LoopedBlock(nn.Module):
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         if a.rope:
             q, k = (apply_rope(t, cos, sin, a.interleaved_rope) for t in (q, k))
+        if a.qk_norm:  # Parcae: a weightless norm of each head, after RoPE
+            q, k = rms_norm(q, None, QK_NORM_EPS), rms_norm(k, None, QK_NORM_EPS)
         x = self.residual(x, self.proj(attn(q.flatten(1), k.flatten(1), v))[0],
                           self.attn_out_norm, gate_attn)
         h = MLPS[a.mlp](self.fc(self.sublayer_input(x, self.mlp_norm, scale_mlp))[0])
@@ -186,14 +204,36 @@ class LoopedWeights(nn.Module):
 
     def __init__(self, a, prefix):
         super().__init__()
-        blocks = lambda name, n: nn.ModuleList(LoopedBlock(a, f"{prefix}.{name}.{i}")
-                                               for i in range(n))
+        mixing = a.value_embeds  # Parcae: the blocks (0.. over prelude, core, coda) that mix
+
+        def blocks(name, n, first, hidden):  # first: the first block's index in that count
+            return nn.ModuleList(
+                LoopedBlock(a, f"{prefix}.{name}.{i}", hidden,
+                            mixing.index(first + i) if first + i in mixing else None)
+                for i in range(n))
+
+        self.vocab_size = a.vocab_size
         self.embed = VocabParallelEmbedding(a.vocab_size, a.dim, prefix=f"{prefix}.embed")
-        self.prelude, self.core = blocks("prelude", a.n_prelude), blocks("core", a.n_core)
-        self.coda = blocks("coda", a.n_coda)
-        self.adapter = a.inject and ReplicatedLinear(2 * a.dim, a.dim, bias=False,
-                                                     prefix=f"{prefix}.adapter") or None
+        self.prelude = blocks("prelude", a.n_prelude, 0, a.hidden_dim)
+        self.core = blocks("core", a.n_core, a.n_prelude, a.core_hidden_dim or a.hidden_dim)
+        self.coda = blocks("coda", a.n_coda, a.n_prelude + a.n_core, a.hidden_dim)
+        # Huginn's adapter of concat(s, e); Parcae's diagonal injection (replicated: [D] and D x D)
+        self.adapter = None if not a.inject else (
+            DiagonalInjection(a.dim).requires_grad_(False) if a.injection == "diagonal" else
+            ReplicatedLinear(2 * a.dim, a.dim, bias=False, prefix=f"{prefix}.adapter"))
         self.norm = nn.Parameter(torch.ones(a.dim), requires_grad=False)
+        # Parcae: ln_prelude, the map C into the coda, and the value-embedding tables stacked
+        # ([tables x V, kv width]), this rank's kv heads' columns
+        self.prelude_norm = (nn.Parameter(torch.ones(a.dim), requires_grad=False)
+                             if a.prelude_norm else None)
+        self.coda_in = a.coda_in and ReplicatedLinear(a.dim, a.dim, bias=False,
+                                                      prefix=f"{prefix}.coda_in") or None
+        self.value_embed = None
+        if mixing:
+            width = max(1, a.n_kv_heads // get_tensor_model_parallel_world_size()) * a.head_dim
+            self.value_embed = nn.Parameter(torch.zeros(len(mixing) * a.vocab_size, width),
+                                            requires_grad=False)
+            self.value_embed.weight_loader = self.load_value_table
         # LoopFormer: learned positions, and the clock whose modulations fill clock_table
         self.pos_embed = nn.Embedding(a.max_seq_len, a.dim) if a.pos_embed else None
         self.clock = Clock(a.dim) if a.clock else None
@@ -204,6 +244,20 @@ class LoopedWeights(nn.Module):
         cos, sin = rope_table(a)  # Huginn's: its checkpoint's table, read by load_weights
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @staticmethod
+    def load_value_table(param, loaded, table):
+        """Parcae: value-embedding table number `table` ([V, kv width]) into its rows, the
+        columns of this rank's kv heads (consecutive ranks share a kv head where there are fewer
+        kv heads than ranks)."""
+        width, tp = param.shape[1], get_tensor_model_parallel_world_size()
+        replicas = max(1, tp // (loaded.shape[1] // width))
+        first, V = get_tensor_model_parallel_rank() // replicas * width, loaded.shape[0]
+        param.data[table * V:(table + 1) * V].copy_(loaded[:, first:first + width])
+
+    def value_embedding(self, ids, table):
+        """Parcae: the tokens' rows of value-embedding table `table`, [N, this rank's kv width]."""
+        return F.embedding(ids + table * self.vocab_size, self.value_embed)
 
 
 class LoopedForCausalLM(nn.Module):
@@ -264,17 +318,29 @@ class LoopedForCausalLM(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         cos, sin = (t[positions][:, None].to(dtype) for t in (w.rope_cos, w.rope_sin))
 
+        # Parcae: each mixing block's value embeddings, looked up once for every depth
+        ve = {} if w.value_embed is None else {
+            b.ve_index: w.value_embedding(input_ids, b.ve_index)
+            for b in (*w.prelude, *w.core, *w.coda) if b.ve_index is not None}
+
         def layers(blocks, x, first, mod=None):  # the blocks, attending through attn[first], ...
             for i, block in enumerate(blocks):
-                x = block(x, cos, sin, self.attn[first + i], None if mod is None else mod[i])
+                x = block(x, cos, sin, self.attn[first + i], None if mod is None else mod[i],
+                          ve.get(block.ve_index))
             return x
 
         e, s = (layers(w.prelude, x, 0), self.initial_state(positions)) if a.inject else (None, x)
+        if w.prelude_norm is not None:
+            e = rms_norm(e, w.prelude_norm, a.norm_eps)
+        diagonal = a.injection == "diagonal"  # Parcae: s * decay + softplus(dt) (e B^T)
+        e, decay = (w.adapter.input(e), w.adapter.decay()) if a.inject and diagonal else (e, None)
         for d in range(self.depth):
-            h = w.adapter(torch.cat([s, e], dim=-1))[0] if a.inject else s
+            h = s if not a.inject else (s * decay + e if diagonal else
+                                        w.adapter(torch.cat([s, e], dim=-1))[0])
             mod = None if w.clock_table is None else w.clock_table[d]
             s = layers(w.core, h, a.n_prelude + d * a.n_core, mod)
             s = rms_norm(s, w.norm, a.norm_eps) if a.norm_each_step else s
+        s = s if w.coda_in is None else w.coda_in(s)[0]
         s = rms_norm(s, w.norm, a.norm_eps) if a.norm_before_coda else s
         s = layers(w.coda, s, a.n_prelude + self.depth * a.n_core)
         return s if a.norm_each_step else rms_norm(s, w.norm, a.norm_eps)
@@ -313,7 +379,9 @@ class LoopedForCausalLM(nn.Module):
             if len(parts) == 1:
                 loader(param, tensors[parts[0][0]])
             else:
-                for (key, _), shard in zip(parts, SHARD_IDS[name.split(".", 2)[-1]]):
+                # Parcae's value tables: by their number
+                shards = SHARD_IDS.get(name.split(".", 2)[-1], range(len(parts)))
+                for (key, _), shard in zip(parts, shards):
                     loader(param, tensors[key], shard)
             loaded.add("weights." + name)
         if rope:  # Huginn's stored RoPE table, [1, positions, 1, head_dim / 2, (cos, sin)]
