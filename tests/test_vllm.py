@@ -209,9 +209,14 @@ def test_demo_greedy_equals_ar(demo, prompts):
 @pytest.mark.parametrize("k,n", [(1, 2), (2, 3), (1, 4)])
 def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
     with engine(DEMO, n, k) as llm:
-        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-        draft = drafter.model
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        draft = runner.drafter.model
         assert draft.depth == k and not list(draft.parameters())  # the target's weights
+        # and the target's KV: each draft layer (the demo's, depth d < k) on the target's of the
+        # same depth, so vLLM gives the draft none
+        layers = range(k * demo.args.n_core)
+        assert runner.shared_kv_cache_layers == {
+            f"draft_model.layers.{i}.attn": f"layers.{i}.attn" for i in layers}
         check_equals_ar(demo, prompts, greedy(llm, prompts))
         check_drafts(llm, demo, prompts, k)
 

@@ -18,7 +18,9 @@ checkpoint>, ...}` builds this class a second time as the draft (prefix "draft_m
 runs the same checkpoint at its draft depth k: the target's `wfd_draft_steps` (settable per run by
 `hf_overrides={"wfd_draft_steps": k}`, which vLLM applies to the target's config only), else
 max(1, T // 8). It takes the target's weights by reference (the target is built first, in the
-same process): it owns no parameter, only its attention layers (k x L in the core) and their KV.
+same process): it owns no parameter, only its attention layers (k x L in the core), and those
+of its prelude and core are bound to the target's KV of the same layer (DraftAttention): only its
+coda's KV is its own.
 """
 import os
 import weakref
@@ -31,6 +33,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_reduce)
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                QKVParallelLinear, ReplicatedLinear,
                                                RowParallelLinear)
@@ -84,6 +87,19 @@ def state_seed(model_config):
         raise ValueError(f"the engine's seed {seed!r} must be an integer >= 0: it seeds the "
                          "initial state, as the project's --seed does")
     return seed
+
+
+class DraftAttention(Attention):
+    """A draft's attention layer on the target's cache of the same layer (vLLM's
+    kv_sharing_target_layer_name). vLLM lets such a layer read that cache but not write it, so it
+    writes its rows' keys and values itself, through the cache update vLLM's own layers use: the
+    draft's positions past the committed ones are then there for its next drafts to read, and the
+    target's verify rewrites them; at committed positions it writes the keys already there."""
+
+    def forward(self, query, key, value, *args, **kwargs):
+        shape = (-1, self.num_kv_heads, self.head_size)
+        unified_kv_cache_update(key.view(shape), value.view(shape), self.layer_name)
+        return super().forward(query, key, value, *args, **kwargs)
 
 
 def draft_depth(vllm_config, T):
@@ -285,9 +301,16 @@ class LoopedForCausalLM(nn.Module):
         hd, name = a.head_dim, f"{prefix + '.' if prefix else ''}layers"
         # prelude, then the core at each depth, then coda
         n_attn = a.n_prelude + self.depth * a.n_core + a.n_coda
+        # the draft's prelude and core layers (depths 0..k-1) read and write the target's cache of
+        # the same layer: the same keys at every committed position, so vLLM allocates them no KV;
+        # its coda, which reads depth-k states, keeps a cache of its own
+        shared = a.n_prelude + self.depth * a.n_core if self.is_draft else 0
         self.attn = nn.ModuleList(
-            Attention(a.n_heads // tp, hd, hd ** -0.5, num_kv_heads=max(1, a.n_kv_heads // tp),
-                      cache_config=vllm_config.cache_config, prefix=f"{name}.{i}.attn")
+            (DraftAttention if i < shared else Attention)(
+                a.n_heads // tp, hd, hd ** -0.5, num_kv_heads=max(1, a.n_kv_heads // tp),
+                cache_config=vllm_config.cache_config, prefix=f"{name}.{i}.attn",
+                **({"kv_sharing_target_layer_name": target.attn[i].layer_name} if i < shared
+                   else {}))
             for i in range(n_attn))
         sizes = self.attn[0].attn_backend.get_supported_head_sizes()
         if sizes and hd not in sizes:
