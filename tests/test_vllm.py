@@ -223,11 +223,16 @@ def test_demo_self_speculation_equals_ar(demo, prompts, k, n):
 
 @pytest.mark.parametrize("family", TINY)
 def test_tiny_random_family_equals_ar(tmp_path, family):
-    """Self-speculating (n = 3, k = 2); Parcae without too (test_tensor_parallel_2_equals_ar)."""
+    """Self-speculating (n = 3, k = 2); Parcae without too (test_tensor_parallel_2_equals_ar).
+    The draft's prelude and core layers are on the target's KV, its coda's on its own."""
     model = tiny(tmp_path, family)
     prompts = [[5, 17, 300, 9], list(range(40, 70))]
     with engine(tmp_path, 3, 2) as llm:
         check_equals_ar(model, prompts, greedy(llm, prompts))
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    a = model.args
+    assert runner.shared_kv_cache_layers == {f"draft_model.layers.{i}.attn": f"layers.{i}.attn"
+                                             for i in range(a.n_prelude + 2 * a.n_core)}
 
 
 def start_up_error(folder, **settings):
