@@ -5,9 +5,12 @@ same checkpoint drafting at depth k, n tokens a step), and this project's AR and
     python serving/vllm/bench_vllm.py --random-weights configs/ouro-mid.json
 
 Each row: tokens/s over the prompts decoded one after another (after one untimed warm-up
-prompt), tokens per target step (vLLM: 1 + the accepted drafts per verify; the project: T / its R
-calls per token, full-depth passes' worth), the draft acceptance, and whether the tokens are the
-project's AR's. One thread (OMP_NUM_THREADS=1), float32; vLLM in this process, eager."""
+prompt), then over all of them decoded together (batched: the project's generate of the list, one
+slot per prompt; vLLM's generate of the list), tokens per target step (vLLM: 1 + the accepted
+drafts per verify; the project: T / its R calls per token, full-depth passes' worth), the draft
+acceptance, and whether the tokens are the project's AR's. Then vLLM's prefill of all the prompts
+(one token each), its weights, its KV capacity in tokens and the draft's parameters. One thread
+(OMP_NUM_THREADS=1), float32; vLLM in this process, eager."""
 import argparse
 import os
 import sys
@@ -22,7 +25,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import models  # noqa: E402
-import wfd  # noqa: E402
+import engine  # noqa: E402
 from demo import train as train_demo  # noqa: E402
 from formats import checkpoints  # noqa: E402
 
@@ -42,34 +45,51 @@ def run_vllm(folder, prompts, n_new, ar_tokens, k=None, n=None):
               speculative_config=spec, hf_overrides={"wfd_draft_steps": k} if k else None,
               disable_log_stats=False, max_model_len=len(max(prompts, key=len)) + n_new + 8)
     params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-    run = lambda p: llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-    run(prompts[0])  # warm-up
-    before, t0 = counters(llm), time.perf_counter()
-    tokens = [list(run(p).outputs[0].token_ids) for p in prompts]
-    wall = time.perf_counter() - t0
-    drafts, accepted, drafted = (b - a for a, b in zip(before, counters(llm)))
+    run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+    run(prompts[:1])  # warm-up
+    results = {}
+    for mode, calls in (("one", [[p] for p in prompts]), ("batched", [prompts])):
+        before, t0 = counters(llm), time.perf_counter()
+        tokens = [t for ps in calls for t in run(ps)]
+        wall = time.perf_counter() - t0
+        drafts, accepted, drafted = (b - a for a, b in zip(before, counters(llm)))
+        results[mode] = dict(tok_s=len(prompts) * n_new / wall,
+                             per_step=1 + accepted / drafts if drafts else 1.0,
+                             acceptance=accepted / drafted if drafted else None,
+                             exact=tokens == ar_tokens)
+    # the prompts' prefill: one token each, all together (with a draft: its first pass too, which
+    # vLLM runs over every prompt token)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], first, use_tqdm=False)
+    prefill_ms = 1000 * (time.perf_counter() - t0)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    memory = dict(weights=sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    memory = dict(prefill_ms=round(prefill_ms, 1), weights=weights,
                   kv_tokens=runner.cache_config.num_gpu_blocks * runner.cache_config.block_size,
                   draft_params=len(list(runner.drafter.model.parameters())) if n else None)
     llm.llm_engine.engine_core.shutdown()
-    return dict(tok_s=len(prompts) * n_new / wall,
-                per_step=1 + accepted / drafts if drafts else 1.0,
-                acceptance=accepted / drafted if drafted else None,
-                exact=tokens == ar_tokens, memory=memory)
+    return dict(results, memory=memory)
 
 
 def run_project(model, prompts, n_new, method, k=None):
-    generate = lambda p: wfd.generate(model, p, n_new, method=method, draft_steps=k)
+    """Both modes: the prompts one at a time, then as one list (one slot each)."""
+    generate = lambda p: engine.generate(model, p, n_new, method=method, draft_steps=k)
     generate(prompts[0])  # warm-up
-    t0 = time.perf_counter()
-    gens = [generate(p) for p in prompts]
-    wall = time.perf_counter() - t0
-    r_calls = sum(g.stats["r_calls"] for g in gens) / (len(prompts) * n_new)
-    accepted = [g.stats["acceptance"] for g in gens if method == "wfd"]
-    return dict(tok_s=len(prompts) * n_new / wall, per_step=model.num_steps / r_calls,
-                acceptance=sum(accepted) / len(accepted) if accepted else None,
-                tokens=[g.tokens for g in gens])
+    results = {}
+    for mode, run in (("one", lambda: [generate(p) for p in prompts]),
+                      ("batched", lambda: generate(prompts))):
+        t0 = time.perf_counter()
+        gens = run()
+        wall = time.perf_counter() - t0
+        r_calls = sum(g.stats["r_calls"] for g in gens) / (len(prompts) * n_new)
+        accepted = [g.stats["acceptance"] for g in gens if method == "wfd"]
+        results[mode] = dict(tok_s=len(prompts) * n_new / wall,
+                             per_step=model.num_steps / r_calls,
+                             acceptance=sum(accepted) / len(accepted) if accepted else None,
+                             tokens=[g.tokens for g in gens])
+    return results
 
 
 def main(argv=None):
@@ -101,17 +121,22 @@ def main(argv=None):
     k = args.draft_steps or model.config.get("wfd_draft_steps") or max(1, model.num_steps // 8)
     n_new, n = args.max_new_tokens, args.num_speculative_tokens
     ar = run_project(model, prompts, n_new, "ar")
+    ar_tokens = ar["one"]["tokens"]
     rows = [("project AR", ar), ("project WFD", run_project(model, prompts, n_new, "wfd", k)),
-            ("vLLM AR", run_vllm(folder, prompts, n_new, ar["tokens"])),
-            (f"vLLM self-speculation n={n}", run_vllm(folder, prompts, n_new, ar["tokens"], k, n))]
+            ("vLLM AR", run_vllm(folder, prompts, n_new, ar_tokens)),
+            (f"vLLM self-speculation n={n}", run_vllm(folder, prompts, n_new, ar_tokens, k, n))]
     print(f"{args.random_weights or args.model}: T={model.num_steps} k={k}, {len(prompts)} prompts "
           f"x {n_new} tokens, greedy, float32, one thread")
-    print("| method | tok/s | tokens per target step | acceptance | AR's tokens |")
-    print("|---|---|---|---|---|")
-    for name, r in rows:
-        exact = r["exact"] if "exact" in r else r["tokens"] == ar["tokens"]
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"| {name} | {r['tok_s']:.1f} | {r['per_step']:.2f} | {acc} | {exact} |")
+    for mode, title in (("one", "one prompt at a time"), ("batched", "all prompts together")):
+        print(f"\n{title}:\n")
+        print("| method | tok/s | tokens per target step | acceptance | AR's tokens |")
+        print("|---|---|---|---|---|")
+        for name, r in rows:
+            r = r[mode]
+            exact = r["exact"] if "exact" in r else r["tokens"] == ar_tokens
+            acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+            print(f"| {name} | {r['tok_s']:.1f} | {r['per_step']:.2f} | {acc} | {exact} |")
+    print()
     for name, r in rows[2:]:
         print(f"{name}: {r['memory']}")
 

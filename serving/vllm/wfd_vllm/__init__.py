@@ -53,16 +53,60 @@ class LoopFormerConfig(HuginnConfig):
         super().__init__(**{**sizes, **kwargs})
 
 
+class ParcaeConfig(HuginnConfig):
+    """Parcae's config.json, a dump of its config class with neither model_type nor architectures
+    (named by _class_name, as formats/configs.py reads it): read by parse_config, given its
+    architecture here; wfd_vllm.model.model_args reads the dump as models.load does."""
+    model_type = "parcae"
+    ARCHITECTURE = "ParcaeForCausalLM"
+    VLLM_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "block_size"}
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if not self.architectures:
+            self.architectures = [self.ARCHITECTURE]
+        if hasattr(self, "n_layers_in_prelude"):
+            self.num_hidden_layers = (self.n_layers_in_prelude + self.n_layers_in_recurrent_block
+                                      + self.n_layers_in_coda)
+        # the head's width, which vLLM sizes the logits by (formats.configs.parcae's rule)
+        padded = getattr(self, "padded_vocab_size", None)
+        multiple = getattr(self, "padding_multiple", 64)
+        if hasattr(self, "vocab_size"):
+            self.vocab_size = padded or -(-self.vocab_size // multiple) * multiple
+
+
 # config.json's architectures entry -> its config class, for each family the plugin serves
 ARCHITECTURES = {"OuroForCausalLM": OuroConfig, "RavenForCausalLM": HuginnConfig,
-                 "LoopFormerGPTForCausalLM": LoopFormerConfig}
+                 "LoopFormerGPTForCausalLM": LoopFormerConfig,
+                 ParcaeConfig.ARCHITECTURE: ParcaeConfig}
+
+
+def parse_config(parse):
+    """vLLM's "hf" config parser's parse, reading Parcae's dump too: transformers' AutoConfig
+    (vLLM's reading of config.json) refuses a config.json without model_type, and vLLM reads
+    one only from model_type or a few architectures it lists, which Parcae's lacks."""
+    def parcae_or_hf(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+        config, _ = PretrainedConfig.get_config_dict(model, revision=revision)
+        if "model_type" in config or config.get("_class_name") != "ParcaeConfig":
+            return parse(self, model, trust_remote_code, revision, code_revision, **kwargs)
+        return config, ParcaeConfig.from_dict(config, name_or_path=str(model))
+    parcae_or_hf.reads_parcae = True
+    return parcae_or_hf
 
 
 def register():
     """Called by vLLM in every process it starts: the architectures, and their config classes
-    (transformers knows none of these model types)."""
+    (transformers knows none of these model types); the "hf" config parser taught Parcae's
+    dump (the user then names no config format, and the checkpoint stays as published)."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.transformers_utils.config import (HFConfigParser, get_config_parser,
+                                                register_config_parser)
+
+    if not getattr(get_config_parser("hf").parse, "reads_parcae", False):
+        # a subclass of vLLM's, registered in its place (vLLM logs that it overwrites "hf")
+        register_config_parser("hf")(type("ParcaeOrHFConfigParser", (HFConfigParser,), {
+            "parse": parse_config(HFConfigParser.parse)}))
 
     for arch, config in ARCHITECTURES.items():
         try:
