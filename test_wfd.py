@@ -160,3 +160,6 @@ def test_bad_arguments_are_named():
                          "kv='shared' is exact for AR, and for WFD")):
         with pytest.raises(ValueError, match=message):
             wfd.generate(model, [1, 2], 4, **kw)
+    for prompt, n in (([], 4), ([1, 2], 0)):
+        with pytest.raises(ValueError, match="give a prompt of at least one token"):
+            wfd.generate(model, prompt, n)
