@@ -116,12 +116,12 @@ class Node(NamedTuple):
     parent: Optional[int]    # its parent's serial; None: a row started from a committed token
 
 
-def tree_reads(prompt, events, trace, k, m, T):
+def tree_reads(prompt, events, trace, k, m, T, last_pos):
     """The reads of the second proposal, whose rows in flight form a tree. A tick's reads are
     those of its R call's rows (its trace entry, in order) at depth k, then at m, but for the rows
     its verify dropped (those not under the child that carries the committed token) and the rows
-    at the last position; a draft's parent is the first of them at the position before it (two
-    rows at a position may have one depth: cousins). The rows a tick starts (depth 1 in the next
+    at last_pos; each draft is read from the next of them (two rows at a position may have one
+    depth: cousins), until the lanes are full. The rows a tick starts (depth 1 in the next
     entry, by serial) are its restart, if any, then a child per draft at k, then a sibling per
     second proposal that no child of its parent carries. The context of a read walks up the
     parents to the committed tokens; a row in flight gives its coda key from its last read, at m
@@ -156,8 +156,10 @@ def tree_reads(prompt, events, trace, k, m, T):
         parents, started = [], []
         for ev in calls:
             d = ev.depth or k
-            while nodes[waiting[d][0]].pos != ev.pos - 1:  # a row at the last position
+            while waiting[d] and nodes[waiting[d][0]].pos == last_pos:  # it drafts nothing
                 waiting[d].pop(0)
+            assert waiting[d] and nodes[waiting[d][0]].pos == ev.pos - 1, (
+                f"tick {tick}: position {ev.pos} drafted from no row at depth {d}")
             parent = waiting[d].pop(0)
             parents.append(parent)
             tokens, depths, row = [], [], parent
@@ -178,7 +180,9 @@ def tree_reads(prompt, events, trace, k, m, T):
         assert entry.get("proposed", []) == [n.parent for n in started[len(drafted):]]
         new = [] if tick == len(trace) else sorted(
             (serial, pos, token) for pos, d, serial, token in trace[tick]["rows"] if d == 1)
-        for (serial, pos, token), node in zip(new[len(new) - len(started):], started):
+        restarts = len(new) - len(started)
+        assert restarts in (0, 1)
+        for (serial, pos, token), node in zip(new[restarts:], started):
             assert (pos, token) == node[:2]
             nodes[serial] = node
     return reads
@@ -230,7 +234,9 @@ def check(model, reads, temperature=0.0, seed=0):
     over them serve their prefixes)."""
     plain = PlainForward(model, model.num_steps)
     for read in sorted(reads, key=lambda r: -len(r.tokens)):
-        assert read.token == plain.token(read, temperature, seed), read
+        want = plain.token(read, temperature, seed)
+        assert read.token == want, (f"the draft for position {read.pos} after {read.tokens} is "
+                                    f"{read.token}, the plain forward's read {want}")
 
 
 # -- the runs --------------------------------------------------------------------------------------
@@ -254,7 +260,8 @@ def tree_run(model, prompt, n_new, k, m, **kw):
     rec = Recorder(trace)
     out = engine.generate(model, prompt, n_new, draft_steps=k, second_depth=m, trace=trace,
                           draft_hook=rec.draft, on_token=rec.commit, **kw)
-    reads = tree_reads(prompt, rec.events, trace, k, m, model.num_steps)
+    reads = tree_reads(prompt, rec.events, trace, k, m, model.num_steps,
+                       len(prompt) + n_new - 2)
     second = sum(ev.depth == m for ev in rec.events if isinstance(ev, Drafted))
     assert len(reads) == out.stats["drafted"] + second and second > 0
     check(model, reads, **kw)
