@@ -182,11 +182,11 @@ def lm_head_outputs(model, run):
         hook.remove()
 
 
-def reference_shared_ar(model, prompt, window, kv="shared"):
-    """The reference's AR under kv.SharedKVCache: its Generation, and the float64 logits of each
-    committed token [N_NEW, V] (the prefill's last row, then one C call per token)."""
-    out, logits = lm_head_outputs(model, lambda: wfd.generate(
-        model, prompt, N_NEW, method="ar", kv=kv, window=window, keep_logits=True))
+def reference_ar(model, prompt, **kv):
+    """The reference's AR (kv: generate's kv and window): its Generation, and the float64 logits of
+    each committed token [N_NEW, V] (the prefill's last row, then one C call per token)."""
+    out, logits = lm_head_outputs(model, lambda: wfd.generate(model, prompt, N_NEW, method="ar",
+                                                              keep_logits=True, **kv))
     return out, torch.cat([logits[0][-1:]] + logits[1:])
 
 
@@ -263,11 +263,11 @@ def test_shared_kv_reference_ar_is_the_docs_rule(name, window):
     float64 logits to float64's rounding (the two sum attention in other orders); the sharing
     moves them from the full cache's, so the agreement is the rule's."""
     model, prompt = load(name, torch.float64), prompt_of(name)
-    ref, ref_logits = reference_shared_ar(model, prompt, window)
+    ref, ref_logits = reference_ar(model, prompt, kv="shared", window=window)
     tokens, logits = shared_ar_by_the_rule(model, prompt, window)
     assert ref.tokens == tokens
     assert torch.allclose(ref_logits, logits, rtol=0, atol=1e-12)
-    _, full_logits = reference_shared_ar(model, prompt, None, kv="full")
+    _, full_logits = reference_ar(model, prompt)
     assert (full_logits - logits).abs().max() > 1e-3
 
 
