@@ -5,6 +5,7 @@ reference's tokens on every family. The engine's own tests are in tests/."""
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -163,3 +164,140 @@ def test_bad_arguments_are_named():
     for prompt, n in (([], 4), ([1, 2], 0)):
         with pytest.raises(ValueError, match="give a prompt of at least one token"):
             wfd.generate(model, prompt, n)
+
+
+# -- the sharing against its definition; the reference's edges ----------------------------------
+
+SHARED = [("ouro_A", 2), ("ouro_A", 3), ("huginn_A", 2), ("huginn_A", 3)]  # (golden, window)
+
+
+def lm_head_outputs(model, run):
+    """run()'s result, and every output of the model's lm_head meanwhile, in the model's dtype (C
+    casts its logits to float32; these are the float64 ones)."""
+    outs = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: outs.append(out))
+    try:
+        return run(), outs
+    finally:
+        hook.remove()
+
+
+def reference_ar(model, prompt, **kv):
+    """The reference's AR (kv: generate's kv and window): its Generation, and the float64 logits of
+    each committed token [N_NEW, V] (the prefill's last row, then one C call per token)."""
+    out, logits = lm_head_outputs(model, lambda: wfd.generate(model, prompt, N_NEW, method="ar",
+                                                              keep_logits=True, **kv))
+    return out, torch.cat([logits[0][-1:]] + logits[1:])
+
+
+class SharedRule:
+    """docs/shared-kv.md's rule, written here alone: every position's keys and values kept per
+    (layer, depth), each row's keys picked from them by the doc's words and attended by a plain
+    softmax. A row at position p >= the prompt's length, at depth d, reads the depth-d keys of the
+    positions p - window < q <= p and the last depth's (T - 1) of every older position; a prompt
+    row reads its own depth's at every position; a prelude or coda layer (no depth) has one set.
+    The model calls prepare once per P / R / C call (one row here) and attend once per layer."""
+
+    def __init__(self, model, prompt_len, window):
+        self.args, self.T = model.args, model.num_steps
+        self.prompt_len, self.window = prompt_len, window
+        self.kv = {}  # (layer, depth or None, position) -> (k, v), each [Hkv, hd]
+
+    def prepare(self, call):
+        return call
+
+    def depth_read(self, layer, depth, p, q):
+        """The depth whose keys of position q a row at (p, depth) reads at `layer`."""
+        if layer >= self.args.n_core:
+            return None
+        return depth if p < self.prompt_len or q > p - self.window else self.T - 1
+
+    def attend(self, call, layer, q, k, v):
+        (p,), a = call.pos.tolist(), self.args
+        depth = call.depth if layer < a.n_core else None
+        self.kv[layer, depth, p] = k[0], v[0]
+        keys, values = (torch.stack(t) for t in zip(*(
+            self.kv[layer, self.depth_read(layer, depth, p, c), c] for c in range(p + 1))))
+        group = a.n_heads // a.n_kv_heads  # query head h reads kv head h // group
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        weights = torch.softmax(torch.einsum("hd,chd->hc", q[0], keys) / a.head_dim ** 0.5, -1)
+        return torch.einsum("hc,chd->hd", weights, values)[None]  # [1, H, hd]
+
+
+@torch.no_grad()
+def shared_ar_by_the_rule(model, prompt, window):
+    """AR under SharedRule, one position at a time through P, T x R and C (the prompt's positions
+    too, instead of a prefill), greedy: the new tokens and the float64 logits that chose them."""
+    rule, ids, n = SharedRule(model, len(prompt), window), list(prompt), len(prompt)
+
+    def run():
+        for p in range(n + N_NEW - 1):
+            pos = torch.tensor([p], device=model.device)
+            e, s = model.P(torch.tensor(ids[p:p + 1], device=model.device), pos, rule)
+            for d in range(model.num_steps):
+                s = model.R(s, e, pos, d, rule)
+            logits = model.C(s, e, pos, rule)[0]
+            if p >= n - 1:
+                ids.append(int(logits.argmax()))
+
+    _, logits = lm_head_outputs(model, run)
+    return ids[n:], torch.cat(logits[n - 1:])
+
+
+@pytest.mark.parametrize("name,window", SHARED)
+def test_shared_kv_reference_ar_is_the_engines(name, window):
+    """The reference's AR under kv.SharedKVCache and the engine's under its ring
+    (engine/kv_cache.py) give the same tokens and the same logits, bit for bit."""
+    model, prompt = load(name, torch.float64), prompt_of(name)
+    ref = wfd.generate(model, prompt, N_NEW, method="ar", kv="shared", window=window,
+                       keep_logits=True)
+    eng = engine.generate(model, prompt, N_NEW, method="ar", kv="shared", window=window,
+                          keep_logits=True)
+    assert len(ref.tokens) == N_NEW and ref.tokens == eng.tokens
+    assert torch.equal(torch.stack(ref.logits), torch.stack(eng.logits))
+
+
+@pytest.mark.parametrize("name,window", SHARED)
+def test_shared_kv_reference_ar_is_the_docs_rule(name, window):
+    """The reference's AR under kv.SharedKVCache gives the tokens of SharedRule's forward, and its
+    float64 logits to float64's rounding (the two sum attention in other orders); the sharing
+    moves them from the full cache's, so the agreement is the rule's."""
+    model, prompt = load(name, torch.float64), prompt_of(name)
+    ref, ref_logits = reference_ar(model, prompt, kv="shared", window=window)
+    tokens, logits = shared_ar_by_the_rule(model, prompt, window)
+    assert ref.tokens == tokens
+    assert torch.allclose(ref_logits, logits, rtol=0, atol=1e-12)
+    _, full_logits = reference_ar(model, prompt)
+    assert (full_logits - logits).abs().max() > 1e-3
+
+
+def test_generate_refuses_its_edges_in_one_line():
+    """0 or less for num_steps, draft_steps or window, and a prompt past the model's context, are
+    refused by name (None keeps meaning the default); the last position the context holds is
+    taken (huginn_A's context: 64 positions)."""
+    model = load("huginn_A")
+    for kw, message in ((dict(num_steps=0), "num_steps must be at least 1, not 0"),
+                        (dict(num_steps=-2), "num_steps must be at least 1, not -2"),
+                        (dict(draft_steps=0), "draft depth 0 is out of range"),
+                        (dict(draft_steps=-1), "draft depth -1 is out of range"),
+                        (dict(method="ar", kv="shared", window=0), "not ar, window 0"),
+                        (dict(kv="shared", window=-1), "not wfd, window -1")):
+        with pytest.raises(ValueError, match=message):
+            wfd.generate(model, [1, 2], 4, **kw)
+    out = wfd.generate(model, [1, 2], 2, kv="shared")
+    assert [out.stats[s] for s in ("num_steps", "draft_steps", "window")] == [4, 1, 4]
+    assert len(wfd.generate(model, [1] * 60, 5, method="wfd").tokens) == 5  # positions 0..63
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(6\) - 1 "
+                                         "positions exceed the model's context of 64"):
+        wfd.generate(model, [1] * 60, 6)
+
+
+def test_generate_takes_numpy_stop_ids():
+    """eos_token_id as a numpy integer, or a collection of them, stops where the int does."""
+    model, prompt = load("ouro_A", torch.float64), prompt_of("ouro_A")
+    ar = wfd.generate(model, prompt, N_NEW, method="ar")
+    eos = ar.tokens[5]
+    end = ar.tokens.index(eos) + 1
+    for stop in (np.int64(eos), [np.int32(eos)], (np.uint8(eos), np.int64(0))):
+        out = wfd.generate(model, prompt, N_NEW, eos_token_id=stop)
+        assert out.tokens == ar.tokens[:end] and out.stats["stop_token"] == eos

@@ -15,6 +15,7 @@ Where the paper's points are: the draft, `Sequence.draft` (a token read at depth
 after); the tick, `wavefront`; the verify and the correction, `Sequence.verify` and `wavefront`'s
 rejection branch; the sharing, kv.SharedKVCache.
 """
+import numbers
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -264,25 +265,30 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     near tie otherwise (the engine's lanes are what make every dtype exact). draft_hook(pos,
     token) -> token may replace each draft (the tokens must not change); on_token(token) as each
     token commits. engine.generate takes these options and more."""
-    T = num_steps or model.num_steps
-    k = draft_steps or default_draft_steps(model, num_steps)
-    wave = -(-T // k)  # the wavefront's rows in flight
-    window = window or wave
+    T = model.num_steps if num_steps is None else num_steps
+    k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
         raise ValueError(f"method must be 'ar', 'wfd' or 'dtv', not {method!r}")
+    if T < 1:
+        raise ValueError(f"num_steps must be at least 1, not {T}")
     if not 1 <= k <= T:
         raise ValueError(f"draft depth {k} is out of range: it must be in 1..{T}")
+    wave = -(-T // k)  # the wavefront's rows in flight
+    window = wave if window is None else window
     if kv not in ("full", "shared"):
         raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
-    if kv == "shared" and (method == "dtv" or method == "wfd" and window < wave):
+    if kv == "shared" and (method == "dtv" or window < (wave if method == "wfd" else 1)):
         raise ValueError("kv='shared' is exact for AR, and for WFD with a window of at least "
-                         f"ceil(T / k) = {wave} positions")
+                         f"ceil(T / k) = {wave} positions (AR: 1): not {method}, window {window}")
     prompt = list(prompt_ids)
     if not prompt or max_new_tokens < 1:
         raise ValueError("give a prompt of at least one token and max_new_tokens >= 1")
-    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    capacity = len(prompt) + max_new_tokens - 1  # the positions its rows compute
+    if capacity > model.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
+                         f"positions exceed the model's context of {model.args.max_seq_len}")
+    stop = {eos_token_id} if isinstance(eos_token_id, numbers.Integral) else set(eos_token_id or ())
     seq = Sequence(prompt, max_new_tokens, T, stop, draft_hook, on_token, keep_logits)
-    capacity = len(prompt) + max_new_tokens - 1
     cache = (KVCache(model, capacity, T) if kv == "full"
              else SharedKVCache(model, capacity, T, window, len(prompt)))
     schedule = dict(ar=autoregressive, wfd=partial(wavefront, k=k),
