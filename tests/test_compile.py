@@ -59,8 +59,8 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE,
                                init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
-    model._compiled = {fn: compiling.compile_call(fn, graphs=True)
-                       for fn in (model.r_body, model_runner.read_body)}
+    compiling.COMPILED[model] = {fn: compiling.compile_call(fn, graphs=True)
+                                 for fn in (model_runner.recur_body, model_runner.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):
