@@ -51,12 +51,12 @@ class ModelArgs:
     and Huginn, the paper's two families, differ; then flags whose defaults are Ouro's and Huginn's,
     which only the other three families set (a reader of Ouro and Huginn can skip them):
 
-        Parcae      injection="diagonal", sandwich=False, qk_norm, mlp="relu2", core_hidden_dim,
-                    prelude_norm, coda_in, ve_tables, ve_gates
-        LoopFormer  sandwich=False, norm_weights=False, rope=False, mlp="gelu", pos_embed, clock,
-                    config_stop_ids=False
-        retrofits   Llama: sandwich=False; OLMo-2: in_norm=False, qk_proj_norm; rope_scaling
-                    (Llama-3's), config_stop_ids=False
+        Parcae           injection="diagonal", sandwich=False, qk_norm, mlp="relu2",
+                         core_hidden_dim, prelude_norm, coda_in, ve_tables, ve_gates
+        LoopFormer       sandwich=False, norm_weights=False, rope=False, mlp="gelu", pos_embed,
+                         clock, config_stop_ids=False
+        Llama retrofit   sandwich=False, rope_scaling (Llama-3's), config_stop_ids=False
+        OLMo-2 retrofit  in_norm=False, qk_proj_norm, config_stop_ids=False
     """
     # -- every family: the sizes -------------------------------------------------------------------
     kind: str              # "ouro", "huginn", "parcae", "loopformer" or "retrofit"

@@ -1,6 +1,6 @@
-"""docs/forking.md's worked example: a toy looped family made only through the extension points the
-page names (ModelArgs' flags, a subclass of models.LoopedLM overriding one method), decoded by the
-reference and the engine, whose WFD must give its AR's tokens, and the page's code is this file's."""
+"""docs/forking.md's worked example: a toy looped family made only through the extension points
+the page names (ModelArgs' flags, a subclass of models.LoopedLM overriding one method), decoded by
+the reference and the engine, whose WFD must give its AR's tokens (the page quotes this file)."""
 import os
 import re
 
@@ -53,7 +53,7 @@ def test_the_docs_example_is_this_files():
 
 
 def greedy_by_full_forwards(model, prompt, n_new):
-    """Greedy decoding with no cache and no schedule: the whole sequence's forward for every token."""
+    """Greedy decoding with no cache and no schedule: a forward of the whole sequence per token."""
     ids = list(prompt)
     for _ in range(n_new):
         ids.append(int(model.logits(ids)[-1].argmax()))
