@@ -221,7 +221,8 @@ class LoopedLM(nn.Module):
         if self.prelude_norm is not None:
             x = rms_norm(x, self.prelude_norm, self.args.norm_eps)
         e = self.adapter.input(x) if self.args.injection == "diagonal" else x
-        return (e if ve is None else torch.cat([e, ve], dim=-1)), self.initial_state(call.pos)
+        e = e if ve is None else torch.cat([e, ve], dim=-1)
+        return e, torch.zeros_like(x) if self.state_init == "zero" else self.initial_state(call.pos)
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
@@ -306,13 +307,12 @@ class LoopedLM(nn.Module):
         return torch.stack([blk.ada(c) for blk in self.core], dim=1)
 
     def initial_state(self, pos):
-        """Huginn's, Parcae's and the retrofits' s0 at positions pos [N] (on the device): zero, or
-        "random", the like-init draw (a normal cut at +-3 sigma, times the embedding scale) made on
-        the device by a counter-based function of (seed, position, channel), so a position gets the
-        same s0 however often, by whichever schedule and in whichever batch or lane it is made."""
+        """Huginn's, Parcae's and the retrofits' "random" s0 at positions pos [N] (on the device;
+        "zero": p_body's zeros): the like-init draw (a normal cut at +-3 sigma, times the embedding
+        scale) made on the device by a counter-based function of (seed, position, channel), so a
+        position gets the same s0 however often, by whichever schedule and in whichever batch or
+        lane it is made."""
         a = self.args
-        if self.state_init == "zero":
-            return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
         z = truncated_normal(self.s0_key, pos, a.dim)
         return (z * (a.init_std * a.embed_scale)).to(self.dtype)
 

@@ -96,7 +96,7 @@ class KVCache:
 
     def prepare(self, call):
         """Once per call, on the device (so that a compiled call takes it in), from the call
-        (model_runner.Call): lanes, each lane's position (pos), int64 [N], -1 for idle lanes; depth
+        (model_runner.Call): lanes (here pos), each lane's position, int64 [N], -1 for idle; depth
         int64 [N], or an int for every row, or None (no looped layer); span (KVCache.span);
         branches: the call's Branches, or None. rows (model_runner.Call.rows): after the prefill
         each row attends alone, as a plain forward does, over its slot's columns 0..pos (views;

@@ -5,8 +5,8 @@ the same bits in every schedule and beside any other rows (docs/exactness.md); i
 host sends each call without blocking the device, so that a tick reads the device once (the C
 call's tokens: docs/compiling.md); and it keeps the branch columns of the second proposal
 (siblings.BranchColumns, docs/siblings.md). The call bodies that compiled decoding compiles whole
-are here too: P with its rows' entry into their lanes (start_body), C with the choice of tokens
-(read_body).
+are here too: P with its rows' entry into their lanes (start_body), R with the idle lanes' states
+kept (recur_body), C with the choice of tokens (read_body).
 """
 import time
 import types
@@ -55,8 +55,8 @@ class Call(NamedTuple):
     @property
     def pos(self):
         """The positions the model's bodies look up (RoPE rows, learned positions, s0), an idle
-        lane's as position 0's: its outputs are kept nowhere. Made where a body reads it, as the
-        model's own clamp was."""
+        lane's as position 0's: its outputs are kept nowhere. Made where a body reads it, so that
+        a call clamps no more often than its bodies look positions up."""
         return self.lanes.clamp(min=0)
 
     def given(self, rows, branches=None):
