@@ -19,9 +19,9 @@ in formats/, their transformer layer is layers/transformer.py):
     retrofits   blocks (no embedding scale)         C: lm_head(ln_f(coda(s))), the head untied
 
 e holds what a row's recurrences and read need of its token besides the state, made once by P and
-kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's
-injection term and the token's value embeddings (tables looked up by token id that some blocks mix
-into v, in every recurrence).
+kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's injection term and the
+token's value embeddings (tables looked up by token id that some blocks mix into v, in every
+recurrence).
 
 A row is one token position at one depth (completed recurrences). Every recurrent layer applied at
 depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
