@@ -469,7 +469,7 @@ def calls_return_at_once(model, ticks):
     return outputs of the same shapes at once, so that what is left of a generation's time is the
     host's: the schedules, the Decoder, the transfers. ticks: a list that counts the R calls after
     the prefill (each appends one)."""
-    saved = model_runner.start_body, model.r_body, model_runner.read_body
+    saved = model_runner.start_body, model_runner.recur_body, model_runner.read_body
     outputs = {}
 
     def made(key, make):
@@ -480,7 +480,7 @@ def calls_return_at_once(model, ticks):
     def start_body(model, ids, call, s, e):
         return s, e
 
-    def r_body(s, e, call):
+    def recur_body(model, s, e, call):
         if call.span:
             ticks.append(1)
         return s
@@ -491,11 +491,12 @@ def calls_return_at_once(model, ticks):
             s.new_zeros(n, model.args.vocab_size, dtype=torch.float32),
             torch.stack([s.new_zeros(n, dtype=torch.int64), s.new_ones(n, dtype=torch.int64)]
                         + [s.new_zeros(n, dtype=torch.int64)] * (lines - 2))))
-    model_runner.start_body, model.r_body, model_runner.read_body = start_body, r_body, read_body
+    model_runner.start_body, model_runner.recur_body, model_runner.read_body = (
+        start_body, recur_body, read_body)
     try:
         yield
     finally:
-        model_runner.start_body, model.r_body, model_runner.read_body = saved
+        model_runner.start_body, model_runner.recur_body, model_runner.read_body = saved
 
 
 def host_time(model, args, log):

@@ -19,9 +19,9 @@ in formats/, their transformer layer is layers/transformer.py):
     retrofits   blocks (no embedding scale)         C: lm_head(ln_f(coda(s))), the head untied
 
 e holds what a row's recurrences and read need of its token besides the state, made once by P and
-kept with the row's state (wfd.Loop; the engine's lanes): Huginn's prelude output; Parcae's
-injection term and the token's value embeddings (tables looked up by token id that some blocks mix
-into v, in every recurrence).
+kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's injection term and the
+token's value embeddings (tables looked up by token id that some blocks mix into v, in every
+recurrence).
 
 A row is one token position at one depth (completed recurrences). Every recurrent layer applied at
 depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
@@ -46,6 +46,19 @@ S0_STREAM = 0x85EBCA6B  # keeps the initial state's noise apart from sampling's 
 
 @dataclass
 class ModelArgs:
+    """What a family is, decided here once so that the forward code has no branches (filled from
+    config.json by formats/configs.py). Three groups: every family's sizes; the flags in which Ouro
+    and Huginn, the paper's two families, differ; then flags whose defaults are Ouro's and Huginn's,
+    which only the other three families set (a reader of Ouro and Huginn can skip them):
+
+        Parcae           injection="diagonal", sandwich=False, qk_norm, mlp="relu2",
+                         core_hidden_dim, prelude_norm, coda_in, ve_tables, ve_gates
+        LoopFormer       sandwich=False, norm_weights=False, rope=False, mlp="gelu", pos_embed,
+                         clock, config_stop_ids=False
+        Llama retrofit   sandwich=False, rope_scaling (Llama-3's), config_stop_ids=False
+        OLMo-2 retrofit  in_norm=False, qk_proj_norm, config_stop_ids=False
+    """
+    # -- every family: the sizes -------------------------------------------------------------------
     kind: str              # "ouro", "huginn", "parcae", "loopformer" or "retrofit"
     dim: int
     n_heads: int
@@ -53,42 +66,42 @@ class ModelArgs:
     head_dim: int
     hidden_dim: int        # SwiGLU width
     vocab_size: int
-    n_prelude: int         # Huginn only; 0 for Ouro
+    n_prelude: int         # layers run once per token before the loop; 0 for Ouro
     n_core: int            # the looped layers
-    n_coda: int            # Huginn only; 0 for Ouro
+    n_coda: int            # layers run once per token after the loop; 0 for Ouro
     num_steps: int         # default full depth T
     rope_theta: float
     norm_eps: float        # None: nn.RMSNorm's default, its arithmetic's epsilon (LoopFormer)
     max_seq_len: int       # length of the RoPE table: the model's context
     tie_embeddings: bool
-    # what sets the families apart, decided here once, so that the forward code has no branches
+    # -- Ouro and Huginn ---------------------------------------------------------------------------
     inject: bool           # Huginn: P runs a prelude whose output e every recurrence reads through
                            # an adapter, and s0 is a fresh latent; Ouro: s0 is the embedding
     norm_each_step: bool   # Ouro: the final norm after every recurrence; Huginn: around the coda
     post_norm: bool        # Huginn: norm(x + f(x)); Ouro: x + norm(f(x))
     interleaved_rope: bool # Huginn rotates adjacent pairs, Ouro the two halves
-    embed_scale: float     # Huginn: sqrt(D); Ouro, Parcae: 1
+    embed_scale: float     # Huginn: sqrt(D); Ouro: 1
     qk_bias: bool = False  # Huginn: learned bias on q and k, added before RoPE
-    init_std: float = 0.0  # Huginn, Parcae: sigma of the "like-init" initial state (x embed_scale)
-    injection: str = "adapter"      # how R reads e: Huginn's adapter of concat(s, e); "diagonal"
-    sandwich: bool = True           # norms on the sub-layers' outputs too; Parcae, LoopFormer and
-                                    # the Llama retrofits: the input ones only
-    in_norm: bool = True            # norms on the sub-layers' inputs; the OLMo-2 retrofit: none
-    norm_weights: bool = True       # LoopFormer: the blocks' norms have no weight
-    qk_norm: bool = False           # Parcae: a weightless RMS norm on q and k, after RoPE
-    qk_proj_norm: bool = False      # OLMo-2 retrofit: weighted norms of the q and k projections
-    rope: bool = True               # LoopFormer: none (P adds learned positions)
-    rope_scaling: tuple = None      # Llama-3's (factor, low, high, original context)
-    mlp: str = "swiglu"             # layers.transformer.MLPS: Parcae "relu2", LoopFormer "gelu"
-    pos_embed: bool = False         # LoopFormer: learned positions, added by P
-    clock: bool = False             # LoopFormer: each block modulated by its row's clock
-    config_stop_ids: bool = True    # False: the configs' eos ids are absent or stale (LoopFormer,
-                                    # the retrofits): load takes the tokenizer's
-    core_hidden_dim: int = 0        # MLP width of the looped layers, when not hidden_dim
-    prelude_norm: bool = False      # Parcae: ln_prelude on the prelude's output
-    coda_in: bool = False           # Parcae: the linear map C of the final state into the coda
+    init_std: float = 0.0  # Huginn: sigma of the "like-init" initial state (x embed_scale)
     norm_before_coda: bool = False  # Huginn: ln_f on the state before the coda too
-    # Parcae's value embeddings, by block (0.. over prelude, core, coda): the blocks whose table the
+    # -- Parcae, LoopFormer and the retrofits only (the table above) -------------------------------
+    injection: str = "adapter"      # how R reads e: an adapter of concat(s, e), or "diagonal"
+    sandwich: bool = True           # norms on the sub-layers' outputs too (else inputs only)
+    in_norm: bool = True            # norms on the sub-layers' inputs
+    norm_weights: bool = True       # False: the blocks' norms have no weight
+    qk_norm: bool = False           # a weightless RMS norm on q and k, after RoPE
+    qk_proj_norm: bool = False      # weighted norms of the q and k projections
+    rope: bool = True               # False: no RoPE (P adds learned positions)
+    rope_scaling: tuple = None      # Llama-3's (factor, low, high, original context)
+    mlp: str = "swiglu"             # layers.transformer.MLPS
+    pos_embed: bool = False         # learned positions, added by P
+    clock: bool = False             # each block modulated by its row's clock
+    config_stop_ids: bool = True    # False: the configs' eos ids are absent or stale: load takes
+                                    # the tokenizer's
+    core_hidden_dim: int = 0        # MLP width of the looped layers, when not hidden_dim
+    prelude_norm: bool = False      # ln_prelude on the prelude's output
+    coda_in: bool = False           # the linear map C of the final state into the coda
+    # value embeddings, by block (0.. over prelude, core, coda): the blocks whose table the
     # checkpoint holds, and those with a gate; a block mixes one in where it has both
     ve_tables: tuple = ()
     ve_gates: tuple = ()
@@ -105,14 +118,13 @@ class ModelArgs:
 
 
 class Call(NamedTuple):
-    """What a P / R / C call's bodies read besides the rows' data, on the model's device. The
-    engine's calls (engine/model_runner.py) carry these fields too, and more for its cache."""
-    pos: torch.Tensor                # [N] the rows' positions (-1: an idle lane of the engine's)
-    depth: Optional[torch.Tensor]    # [N] their depths, or an int for all (R); None in P and C,
-                                     # which run no looped layer
+    """What a P / R / C body reads besides the rows' data, on the model's device. The engine passes
+    a Call of its own (engine/model_runner.py) with these fields and more, for its lanes."""
+    pos: torch.Tensor                # [N] the rows' positions
+    depth: Optional[torch.Tensor]    # [N] their depths (R); None in P and C, which run no looped
+                                     # layer
     cache: object = None             # kv.KVCache (prepare, attend); None: causal over 0..N-1
     clock: Optional[torch.Tensor] = None  # LoopFormer: the blocks' modulation per depth
-    busy: bool = True                # every lane holds a row: R keeps no idle lane's state
 
 
 class LoopedLM(nn.Module):
@@ -129,7 +141,6 @@ class LoopedLM(nn.Module):
         self.tokenizer_config, self.chat_template = {}, None
         stop = checkpoints.stop_tokens(self.config, "config.json")
         self.eos_token_ids = stop if a.config_stop_ids else ()
-        self._compiled = {}  # function -> its compiled version (engine/compiling.py)
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # value embeddings: one table per mixing block, stacked into one [tables * V, kv width]
         ve_dim, ve_blocks = a.n_kv_heads * a.head_dim, a.value_embeds
@@ -174,7 +185,7 @@ class LoopedLM(nn.Module):
     # -- the three calls --------------------------------------------------------------------------
     # pos: int64 [N] on the model's device; depth: int64 [N], each row's, or an int for all (R);
     # cache: a kv.KVCache, or None for a causal pass over 0..N-1. The bodies (p_body, r_body,
-    # c_body) hold the device work, which the engine calls with calls of its own (in lanes).
+    # c_state and head) hold the device work, which the engine calls with Calls of its own.
 
     def P(self, ids, pos, cache=None):
         """Start rows: their e and initial state s0 (e None where R reads no e: Ouro,
@@ -189,19 +200,20 @@ class LoopedLM(nn.Module):
         clock = None
         if self.clock is not None:
             clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))
+        depth = torch.full_like(pos, depth) if isinstance(depth, int) else depth
         return self.r_body(s, e, Call(pos, depth, cache, clock))
 
     def C(self, s, e, pos, cache=None):
         """Logits (float32) of every row. The coda runs on every row, since it writes coda KV
         that later positions read."""
-        return self.c_body(s, e, Call(pos, None, cache))
+        return self.head(self.c_state(s, e, Call(pos, None, cache)))
 
     def p_body(self, ids, call):
         """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
         state; Ouro and LoopFormer: (None, the embedding)."""
         x = F.embedding(ids, self.embed.weight) * self.args.embed_scale  # [N, D]
-        if self.pos_embed is not None:  # LoopFormer: learned positions (idle lanes: position 0)
-            x = x + self.pos_embed(call.pos.clamp(min=0))
+        if self.pos_embed is not None:  # LoopFormer: learned positions
+            x = x + self.pos_embed(call.pos)
         if not self.args.inject:
             return None, x
         ve = self.value_embeddings(ids)
@@ -209,16 +221,17 @@ class LoopedLM(nn.Module):
         if self.prelude_norm is not None:
             x = rms_norm(x, self.prelude_norm, self.args.norm_eps)
         e = self.adapter.input(x) if self.args.injection == "diagonal" else x
-        return (e if ve is None else torch.cat([e, ve], dim=-1)), self.initial_state(call.pos)
+        e = e if ve is None else torch.cat([e, ve], dim=-1)
+        return e, torch.zeros_like(x) if self.state_init == "zero" else self.initial_state(call.pos)
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
         mod = None if call.clock is None else call.clock[call.depth]  # [(N,) L, 4D]
         x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
-        x = rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
-        return x if call.busy else torch.where(call.pos[:, None] >= 0, x, s)  # idle lanes keep s
+        return rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
 
-    def c_body(self, s, e, call, rows=None):
+    def c_state(self, s, e, call):
+        """C up to the head: the state [N, D] that `head` reads (the coda, the final norm)."""
         a = self.args
         if self.coda_in is not None:
             s = self.coda_in(s)
@@ -228,7 +241,10 @@ class LoopedLM(nn.Module):
             s = self._layers(self.coda, s, call, self.stored_value_embeddings(e))
         if not a.norm_each_step:  # the final norm after the coda, not after each recurrence
             s = rms_norm(s, self.norm, a.norm_eps)
-        return self.lm_head(s if rows is None else s[rows]).float()  # [rows, V]
+        return s
+
+    def head(self, h):
+        return self.lm_head(h).float()  # [N, V]
 
     def inject(self, s, e):
         """The core's input at a recurrence: [N, D]."""
@@ -248,10 +264,10 @@ class LoopedLM(nn.Module):
         return None if self.value_embed is None else e[..., self.args.dim:]
 
     def rope(self, pos):
-        """The RoPE rows of positions pos [N] (idle lanes, -1: any row), cos and sin [N, 1, hd/2],
-        in the rotation's arithmetic dtype (layers.transformer.apply_rope): made once per call."""
-        p, dtype = pos.clamp(min=0), torch.promote_types(self.dtype, torch.float32)
-        return (t.index_select(0, p)[:, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
+        """The RoPE rows of positions pos [N], cos and sin [N, 1, hd/2], in the rotation's
+        arithmetic dtype (layers.transformer.apply_rope): made once per call."""
+        dtype = torch.promote_types(self.dtype, torch.float32)
+        return (t.index_select(0, pos)[:, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
 
     def _layers(self, blocks, x, call, ve=None, mod=None):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
@@ -259,6 +275,8 @@ class LoopedLM(nn.Module):
         cache = call.cache
         step = None if cache is None else cache.prepare(call)
         for j, blk in enumerate(blocks):
+            # the block attends through a function of (q, k, v), since it does not know the cache:
+            # this one writes k, v into the layer's slots and reads what the rows see (kv.py)
             attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's
             # arithmetic at a small width
@@ -279,8 +297,7 @@ class LoopedLM(nn.Module):
             for _ in range(num_steps):
                 rows.append(self.modulation(t, dt))
                 t = t + dt
-            self.clock_tables[key] = table = torch.cat(rows)
-            torch._dynamo.mark_static_address(table, guard=True)  # CUDA graphs read it in place
+            self.clock_tables[key] = torch.cat(rows)
         return self.clock_tables[key]
 
     def modulation(self, t, dt):
@@ -290,14 +307,13 @@ class LoopedLM(nn.Module):
         return torch.stack([blk.ada(c) for blk in self.core], dim=1)
 
     def initial_state(self, pos):
-        """Huginn's, Parcae's and the retrofits' s0 at positions pos [N] (on the device): zero, or
-        "random", the like-init draw (a normal cut at +-3 sigma, times the embedding scale) made on
-        the device by a counter-based function of (seed, position, channel), so a position gets the
-        same s0 however often, by whichever schedule and in whichever batch or lane it is made."""
+        """Huginn's, Parcae's and the retrofits' "random" s0 at positions pos [N] (on the device;
+        "zero": p_body's zeros): the like-init draw (a normal cut at +-3 sigma, times the embedding
+        scale) made on the device by a counter-based function of (seed, position, channel), so a
+        position gets the same s0 however often, by whichever schedule and in whichever batch or
+        lane it is made."""
         a = self.args
-        if self.state_init == "zero":
-            return torch.zeros(len(pos), a.dim, device=self.device, dtype=self.dtype)
-        z = truncated_normal(self.s0_key, pos.clamp(min=0), a.dim)
+        z = truncated_normal(self.s0_key, pos, a.dim)
         return (z * (a.init_std * a.embed_scale)).to(self.dtype)
 
     # -- full-sequence forward --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 compiled at fixed shapes, the recompile limit raised to fit the graphs a generation may add, CUDA
 graphs replayed with their outputs copied out (a decoder's graphs are made before they are timed
 by model_runner.Decoder.warm_up)."""
+import weakref
 from functools import partial
 
 import torch
@@ -9,16 +10,19 @@ from torch._dynamo.utils import counters
 
 from engine import staging
 
+COMPILED = weakref.WeakKeyDictionary()  # model -> {function: its compiled version}
+
 
 def compiled(model, fn, room=0):
     """fn, device work of the model, compiled once for every later generation: on CUDA a CUDA graph
     per shape, on a CPU a C++ wrapper (quicker to enter). room: the graphs fn may still add in the
     caller's generation."""
-    if fn not in model._compiled:
-        model._compiled[fn] = compile_call(fn, graphs=model.device.type in staging.CUDA_PATH)
+    versions = COMPILED.setdefault(model, {})
+    if fn not in versions:
+        versions[fn] = compile_call(fn, graphs=model.device.type in staging.CUDA_PATH)
     if room:
         make_room(fn, room)
-    return model._compiled[fn]
+    return versions[fn]
 
 
 def compile_call(fn, graphs):

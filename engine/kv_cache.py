@@ -96,12 +96,14 @@ class KVCache:
 
     def prepare(self, call):
         """Once per call, on the device (so that a compiled call takes it in), from the call
-        (model_runner.Call): pos int64 [N], -1 for idle lanes; depth int64 [N], or an int for every
-        row, or None (no looped layer); span (KVCache.span); branches: the call's Branches, or None.
-        rows (model_runner.Call.rows): after the prefill each row attends
-        alone, as a plain forward does, over its slot's columns 0..pos (views; redirects gathered),
-        unmasked: none past it is read, and its bits are its keys' alone (docs/exactness.md)."""
-        pos, depth, span, branches, rows = call.pos, call.depth, call.span, call.branches, call.rows
+        (model_runner.Call): lanes (here pos), each lane's position, int64 [N], -1 for idle; depth
+        int64 [N], or an int for every row, or None (no looped layer); span (KVCache.span);
+        branches: the call's Branches, or None. rows (model_runner.Call.rows): after the prefill
+        each row attends alone, as a plain forward does, over its slot's columns 0..pos (views;
+        redirects gathered), unmasked: none past it is read, and its bits are its keys' alone
+        (docs/exactness.md)."""
+        pos, depth, span, branches, rows = (call.lanes, call.depth, call.span, call.branches,
+                                            call.rows)
         sums = call.compiled and sums_written_out(pos.device)
         n = pos.shape[0]
         if n % self.batch:

@@ -5,8 +5,8 @@ the same bits in every schedule and beside any other rows (docs/exactness.md); i
 host sends each call without blocking the device, so that a tick reads the device once (the C
 call's tokens: docs/compiling.md); and it keeps the branch columns of the second proposal
 (siblings.BranchColumns, docs/siblings.md). The call bodies that compiled decoding compiles whole
-are here too: P with its rows' entry into their lanes (start_body), C with the choice of tokens
-(read_body).
+are here too: P with its rows' entry into their lanes (start_body), R with the idle lanes' states
+kept (recur_body), C with the choice of tokens (read_body).
 """
 import time
 import types
@@ -36,12 +36,14 @@ class LaneReadout:
 # -- the calls ------------------------------------------------------------------------------------
 
 class Call(NamedTuple):
-    """A call as the model's bodies read it (models.Call's fields), and what the engine's KV cache
-    reads of it besides (engine/kv_cache.py): the key blocks its rows can see (KVCache.span),
-    whether it runs compiled, the rows' branch columns (siblings.Branches), and, eager, the rows as
-    the host stages them, which then attend one by one (KVCache.prepare)."""
-    pos: torch.Tensor
-    depth: Optional[torch.Tensor]
+    """A call as the model's bodies read it (models.Call's fields: pos, depth, cache, clock), and
+    what the engine reads of it besides: its lanes' positions with the idle ones, the key blocks its
+    rows can see (KVCache.span), whether it runs compiled, the rows' branch columns
+    (siblings.Branches), and, eager, the rows as the host stages them, which then attend one by one
+    (engine/kv_cache.py: KVCache.prepare)."""
+    lanes: torch.Tensor  # [N] each lane's row's position, -1 for an idle lane
+    depth: Optional[torch.Tensor]  # [N] each lane's depth (R), or an int for every row (the
+                                   # prefill's R); None in P and C
     cache: object
     clock: Optional[torch.Tensor] = None
     busy: bool = False  # every lane holds a row, as the host knows: no idle lane's state to keep
@@ -50,10 +52,17 @@ class Call(NamedTuple):
     branches: Optional[Branches] = None
     rows: Optional[list] = None
 
+    @property
+    def pos(self):
+        """The positions the model's bodies look up (RoPE rows, learned positions, s0), an idle
+        lane's as position 0's: its outputs are kept nowhere. Made where a body reads it, so that
+        a call clamps no more often than its bodies look positions up."""
+        return self.lanes.clamp(min=0)
+
     def given(self, rows, branches=None):
         """The call with the host's rows and its branches; busy when the rows fill every lane."""
         return self._replace(rows=rows, branches=branches,
-                             busy=self.busy or rows is not None and len(rows) == len(self.pos))
+                             busy=self.busy or rows is not None and len(rows) == len(self.lanes))
 
 
 def to_device(model, pos, depth, cache, compiled=False, top=None):
@@ -73,11 +82,18 @@ def recur(model, s, e, call):
     cache's full depth)."""
     if model.clock is not None:
         call = call._replace(clock=model.clock_table(call.cache.num_steps))
-    body = compiling.compiled(model, model.r_body) if call.compiled else model.r_body
-    return body(s, e, call)
+    body = compiling.compiled(model, recur_body) if call.compiled else recur_body
+    return body(model, s, e, call)
 
 
 # -- the call bodies ------------------------------------------------------------------------------
+
+def recur_body(model, s, e, call):
+    """R, and the idle lanes' states kept (position -1: no row), in one function, so that compiled
+    decoding compiles them into one graph: the new s."""
+    s_new = model.r_body(s, e, call)
+    return s_new if call.busy else torch.where(call.lanes[:, None] >= 0, s_new, s)
+
 
 def start_body(model, ids, call, s, e):
     """P, and its rows' e and s0 into their lanes (pos >= 0) of the lanes' s and e, in one function,
@@ -85,7 +101,7 @@ def start_body(model, ids, call, s, e):
     e_new, s_new = model.p_body(ids, call)
     if call.busy:  # every lane starts a row
         return s_new, e_new
-    started = call.pos[:, None] >= 0
+    started = call.lanes[:, None] >= 0
     return torch.where(started, s_new, s), None if e is None else torch.where(started, e_new, e)
 
 
@@ -94,8 +110,9 @@ def read_body(model, s, e, call, sampling, rows=None, salt=None):
     into one graph: logits [n, V] of `rows` (default all), and int64 [2, n] holding the token each
     chooses for the position after its row and 1 where all its logits are finite; with the salt
     (digest_salt), a third line, each row's digest."""
-    logits = model.c_body(s, e, call, rows)
-    nxt = None if sampling.greedy else (call.pos if rows is None else call.pos[rows]) + 1
+    h = model.c_state(s, e, call)
+    logits = model.head(h if rows is None else h[rows])  # the head on the rows read alone
+    nxt = None if sampling.greedy else (call.lanes if rows is None else call.lanes[rows]) + 1
     # a NaN or an inf carries into the float64 sum, which finite float32 logits never overflow
     finite = logits.sum(-1, dtype=torch.float64).isfinite()
     chosen = [choose(logits, nxt, sampling), finite.long()]
@@ -182,7 +199,9 @@ class Decoder:
         if compile:  # each call may meet every power of two of the key blocks (KVCache.span)
             room = len(self.cache.buckets())
             self.start_call, self.read_call, _ = (
-                compiling.compiled(model, fn, room) for fn in (start_body, read_body, model.r_body))
+                compiling.compiled(model, fn, room) for fn in (start_body, read_body, recur_body))
+            if model.clock is not None:  # LoopFormer: CUDA graphs read its clock table in place
+                torch._dynamo.mark_static_address(model.clock_table(num_steps), guard=True)
         lanes = lambda dim: torch.zeros(self.lanes, dim, device=model.device, dtype=model.dtype)
         self.s = lanes(model.args.dim)  # [lanes, D]: the rows' states
         self.e = lanes(model.inject_dim) if model.inject_dim else None  # P's output for the rows

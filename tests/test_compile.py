@@ -1,7 +1,9 @@
 """Compiled decoding (generate(compile=True), README "Compiled decoding"): every schedule gives the
 tokens and logits of AR compiled at the same width, greedy and sampled, and runs AR's graphs. There
 is no skip: a machine without the C compiler that torch.compile needs on a CPU fails here."""
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -11,6 +13,19 @@ import models
 import engine
 from test_engine import DEVICE, GOLDEN, poison_masked_columns, same_logits, tiny_config, tiny_model
 from engine import compiling, model_runner, memory
+
+
+def test_compiled_calls_are_kept_per_model_and_let_it_go():
+    """compiling.compiled makes a call's compiled version once per model (later generations
+    reuse it) and keeps no model alive: its store is keyed weakly by the model."""
+    a, b = tiny_model("ouro", 0), tiny_model("ouro", 1)
+    fn = compiling.compiled(a, model_runner.recur_body)  # made, not yet traced
+    assert compiling.compiled(a, model_runner.recur_body) is fn
+    assert compiling.compiled(b, model_runner.recur_body) is not fn
+    gone = weakref.ref(a)
+    del a, fn
+    gc.collect()
+    assert gone() is None and b in compiling.COMPILED
 
 
 @pytest.mark.slow
@@ -59,8 +74,8 @@ def test_cuda_graph_wrapping_runs_on_cpu(monkeypatch):
     model = models.from_config(dict(tiny_config("ouro", 7), num_key_value_heads=2), device=DEVICE,
                                init_seed=7)
     assert model.args.n_heads == 4 and model.args.n_kv_heads == 2
-    model._compiled = {fn: compiling.compile_call(fn, graphs=True)
-                       for fn in (model.r_body, model_runner.read_body)}
+    compiling.COMPILED[model] = {fn: compiling.compile_call(fn, graphs=True)
+                                 for fn in (model_runner.recur_body, model_runner.read_body)}
     T, prompt, n_new = model.num_steps, [3, 1, 4], 12
 
     def run(method, k, compile):

@@ -1,6 +1,7 @@
 """Tests of the models and their checkpoints: parity with the official implementations (golden
 checkpoints in tests/testdata/, computed by the official code, see tests/testdata/README.md), and
 loading: shards, errors that name the problem, hub downloads, save and load again."""
+import dataclasses
 import fnmatch
 import json
 import os
@@ -18,6 +19,30 @@ from layers import transformer
 from kv import causal_attention
 from test_engine import (GENERATION, GOLDEN, HERE, TOL, cached_greedy, close, golden, loaded,
                          recurrence_states)
+
+
+def test_model_args_table_says_which_family_sets_which_flag():
+    """ModelArgs' docstring table against formats/configs.py: on each family's config, the flags of
+    the last group (from `injection` on) that differ from their defaults are those its row names;
+    Ouro and Huginn set none of them."""
+    fields = dataclasses.fields(models.ModelArgs)
+    last = fields[[f.name for f in fields].index("injection"):]
+    rows, family = {"Ouro": "", "Huginn": ""}, None
+    for line in models.ModelArgs.__doc__.split("\n\n")[1].rstrip().splitlines():
+        family = re.split(r"\s{2,}", line.strip())[0] if line[8] != " " else family
+        rows[family] = rows.get(family, "") + line
+    config = lambda name: json.load(open(os.path.join(HERE, "tests", "testdata", name,
+                                                      "config.json")))
+    raven = config("raven_A")  # a Llama retrofit with Llama-3's RoPE scaling
+    olmo2 = {**{k: v for k, v in raven.items() if k != "rope_scaling"}, "wfd_layout": "olmo2"}
+    configs = {"Ouro": config("ouro_A"), "Huginn": config("huginn_A"),
+               "Parcae": config("parcae_A"), "LoopFormer": config("loopformer_A"),
+               "Llama retrofit": raven, "OLMo-2 retrofit": olmo2}
+    assert rows.keys() == configs.keys()
+    for family, text in rows.items():
+        a = models.ModelArgs.from_config(configs[family])
+        named = {f.name for f in last if re.search(rf"\b{f.name}\b", text)}
+        assert {f.name for f in last if getattr(a, f.name) != f.default} == named, family
 
 
 def test_huginn_forward_matches_golden(huginn):

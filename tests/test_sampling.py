@@ -307,14 +307,19 @@ def test_logits_that_are_not_finite_are_refused():
                 engine.generate(model, [1, 2], 5, method=method, **kwargs)
     # in the decode loop: a NaN in the last logit of every read of the rows at position 4
     model = tiny_model("ouro", 0)
-    c_body = model.c_body
+    c_state, head, lanes = model.c_state, model.head, []
 
-    def damaged(s, e, call, rows=None):
-        logits = c_body(s, e, call, rows)
-        logits[(call.pos if rows is None else call.pos[rows]) == 4, -1] = float("nan")
+    def reading(s, e, call):  # the positions of the read's lanes, for damaged
+        lanes.append(call.lanes)
+        return c_state(s, e, call)
+
+    def damaged(h):  # in a decode read, every lane's logits (the prefill reads its last row alone)
+        logits = head(h)
+        if len(logits) == len(lanes[-1]):
+            logits[lanes[-1] == 4, -1] = float("nan")
         return logits
 
-    model.c_body = damaged
+    model.c_state, model.head = reading, damaged
     for method, kwargs in (("ar", {}), ("dtv", {}), ("wfd", dict(temperature=1.0, seed=3))):
         with pytest.raises(ValueError, match="the logits for position 5 are not finite"):
             engine.generate(model, [1, 2], 8, method=method, **kwargs)
