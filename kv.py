@@ -70,10 +70,10 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions, then
         attend each row (q [N, H, hd]) to its slot's columns 0..pos: every row of a group in one
         SDPA call. Every write comes before any read, so rows of one call see each other's keys
-        (draft-then-verify's verify pass, the prefill). So an R call is one batch for the matmuls
-        but one SDPA call per depth: a wavefront's, up to ceil(T / k) a layer. (The engine attends
-        all rows of a call at once, each over its own depth's keys gathered, key block by key
-        block; eager on a CPU, row by row: engine/kv_cache.py, attend_blocks and attend_rows.)"""
+        (draft-then-verify's verify pass, the prefill). So an R call batches its rows for the
+        matmuls but makes one SDPA call per depth here: in a wavefront, up to ceil(T / k) a layer.
+        (The engine attends all rows of a call at once, each over its own depth's keys gathered,
+        key block by key block; eager on a CPU, row by row: engine/kv_cache.py's attend.)"""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
