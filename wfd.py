@@ -9,7 +9,7 @@ call per depth, up to ceil(T / k) a layer (kv.KVCache.attend; the engine's: engi
 
 A schedule is a generator that never touches the model (the engine runs the same ones in lanes):
 `yield Advance(rows)` asks for an R call, `out = yield Read(rows)` for a C call, and `Loop.run`
-makes each call and sends its result back. A tick of `wavefront`, T = 4, k = 2, rows a, b at 3, 1:
+makes each call and sends its result back. A `wavefront` tick (T = 4, k = 2; a, b at depths 3, 1):
 
     yield Advance([a, b])     Loop.advance: P of seq.starting (none), one R call: depths 4 and 2
     out = yield Read([a, b])  Loop.read: one C call; out = [a's Readout, b's Readout]
