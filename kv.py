@@ -23,7 +23,7 @@ before any later row's P call. A draft read at p writes coda keys at column p fr
 state; only later drafts read them, since the verify reads p at full depth and rewrites column p
 before any row after p is read at full depth (rows are verified in order).
 
-`SharedKVCache` holds the project's exact cross-recurrence sharing rule (docs/shared-kv.md).
+`SharedKVCache` holds the project's cross-recurrence sharing rule, exact but not the paper's.
 """
 from typing import NamedTuple
 
@@ -70,7 +70,10 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions, then
         attend each row (q [N, H, hd]) to its slot's columns 0..pos: every row of a group in one
         SDPA call. Every write comes before any read, so rows of one call see each other's keys
-        (draft-then-verify's verify pass, the prefill)."""
+        (draft-then-verify's verify pass, the prefill). So an R call batches its rows for the
+        matmuls but makes one SDPA call per depth here: in a wavefront, up to ceil(T / k) a layer.
+        (The engine attends all rows of a call at once, each over its own depth's keys gathered,
+        key block by key block; eager on a CPU, row by row: engine/kv_cache.py's attend.)"""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -93,14 +96,18 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """The project's cross-recurrence sharing, exact with respect to its own AR (docs/shared-kv.md):
-    a row at position p >= `prompt` and depth d reads the depth-d keys of the `window` positions
-    p - window < q <= p and, for every older position, the keys of the last depth (T - 1); the
-    prompt's rows read their own depth, as in KVCache. The wavefront's rows read only final keys
-    that are written: a position `window` >= ceil(T / k) behind p started at least T ticks before
-    p, so it has passed the last depth. This class keeps every depth, for the rule alone; the
-    engine's (engine/kv_cache.py) keeps a ring of the last positions per depth, which is what saves
-    the memory."""
+    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md). The
+    paper's: recurrence r reads and writes slot r mod s, s < T slots a layer; lossy, and the
+    wavefront's rows read the keys of positions still in flight where AR's read finished ones, so
+    WFD under it does not give AR's output. This rule: a row at position p >= `prompt` and depth d
+    reads the depth-d keys of the `window` positions p - window < q <= p and, for every older
+    position, the keys of the last depth (T - 1); the prompt's rows read their own depth, as in
+    KVCache. Exact, WFD under it giving AR under it: a position `window` >= ceil(T / k) behind p
+    started at least T ticks before p, so it has passed the last depth. But a model other than the
+    full cache's: on the demo (README's run) shared AR keeps 1 of full AR's 128 tokens, the
+    prefill's. This class keeps every depth, for the rule alone: it saves nothing (1,114,112 bytes
+    there, as KVCache); the engine's (engine/kv_cache.py) keeps one final-depth buffer and a
+    ring of the last positions per depth: 305,152 bytes against its full cache's 1,122,304."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

@@ -1,7 +1,8 @@
 """Tests of the reference (wfd.py, kv.py, models.py), on the official code's goldens: its AR gives
 the official greedy tokens and logits, and every schedule gives its AR's tokens, with forced wrong
-drafts, EOS in the middle of a wave, every draft depth and shared KV; the engine (engine/) gives the
-reference's tokens on every family. The engine's own tests are in tests/."""
+drafts, EOS in the middle of a wave, every draft depth and shared KV; its calls run as wfd.py traces
+a tick; the engine (engine/) gives the reference's tokens on every family. The engine's own tests
+are in tests/."""
 import json
 import os
 
@@ -140,6 +141,44 @@ def test_shared_kv_wfd_gives_shared_ar(name):
             same_as(out, ar, torch.float64)
     with pytest.raises(ValueError, match="a window of at least"):
         wfd.generate(model, prompt, 4, method="wfd", draft_steps=1, kv="shared", window=T - 1)
+
+
+class CallLog:
+    """A stand-in for a looped LM that logs its P, R and C calls (the positions of their rows, and
+    R's depths); a row's logits choose the token pos + 1, so every draft is accepted."""
+    device = "cpu"
+
+    def __init__(self):
+        self.calls = []
+
+    def P(self, tokens, pos, cache):
+        self.calls.append(("P", pos.tolist()))
+        return None, torch.zeros(len(pos), 1)
+
+    def R(self, s, e, pos, depth, cache):
+        self.calls.append(("R", pos.tolist(), depth.tolist() if torch.is_tensor(depth) else depth))
+        return s
+
+    def C(self, s, e, pos, cache):
+        self.calls.append(("C", pos.tolist()))
+        return torch.nn.functional.one_hot(pos + 1, 8).float()
+
+
+def test_the_calls_run_as_wfd_py_traces_a_tick():
+    """wfd.py's trace of a tick, T = 4, k = 2: one R call over the rows in flight, then one C call
+    reading the oldest (at T) and the newest (at k); a drafted row's P call comes at the next
+    Advance, just before the R call that takes it to depth 1. The log is written out by hand."""
+    model, seq = CallLog(), wfd.Sequence([0], max_new_tokens=4, num_steps=4)
+    loop = wfd.Loop(model, cache=None)
+    loop.prefill(seq)
+    loop.run(seq, wfd.wavefront(seq, k=2))
+    assert model.calls == [
+        ("P", [0]), ("R", [0], 0), ("R", [0], 1), ("R", [0], 2), ("R", [0], 3), ("C", [0]),
+        ("P", [1]), ("R", [1], [0]), ("R", [1], [1]), ("C", [1]),  # draft for 2 from depth 2
+        ("P", [2]), ("R", [1, 2], [2, 0]), ("R", [1, 2], [3, 1]), ("C", [1, 2]),  # the trace's
+        ("P", [3]), ("R", [2, 3], [2, 0]), ("R", [2, 3], [3, 1]), ("C", [2]),  # 3 is last_pos
+        ("R", [3], [2]), ("R", [3], [3]), ("C", [3])]
+    assert seq.tokens == [1, 2, 3, 4] and seq.stats["accepted"] == 2 and seq.starting == []
 
 
 @pytest.mark.parametrize("name", FAMILIES)

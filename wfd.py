@@ -4,16 +4,17 @@
 A looped LM (models.py) is driven through three calls: P starts a row (a token at a position, at
 depth 0), R takes rows one recurrence deeper, C reads a token out of a row. A row at depth d attends
 to the depth-d keys of the positions before it (kv.py), so rows at different positions and depths
-share one R call: the wavefront's batched call.
+share one R call, the wavefront's batched call: batched are its matmuls; its attention is one SDPA
+call per depth, up to ceil(T / k) a layer (kv.KVCache.attend; the engine's: engine/kv_cache.py).
 
-A schedule is a generator over one Sequence. `yield Advance(rows)` asks for one R call over the
-rows; `out = yield Read(rows)` for one C call, out[i] being what rows[i]'s logits choose. It never
-touches the model: `generate` runs it through `Loop` (below), and the engine (engine/) runs the same
-schedules in lanes of fixed shape, compiled, batched and sampled, bit for bit like its own AR.
+A schedule is a generator that never touches the model (the engine runs the same ones in lanes):
+`yield Advance(rows)` asks for an R call, `out = yield Read(rows)` for a C call, and `Loop.run`
+makes each call and sends its result back. A `wavefront` tick (T = 4, k = 2; a, b at depths 3, 1):
 
-Where the paper's points are: the draft, `Sequence.draft` (a token read at depth k starts the row
-after); the tick, `wavefront`; the verify and the correction, `Sequence.verify` and `wavefront`'s
-rejection branch; the sharing, kv.SharedKVCache.
+    yield Advance([a, b])     Loop.advance: P of seq.starting (none), one R call: depths 4 and 2
+    out = yield Read([a, b])  Loop.read: one C call; out = [a's Readout, b's Readout]
+    then wavefront verifies b's token (a draft) against out[0], AR's, commits out[0], and drafts
+    from out[1]: seq.start(c), whose P call waits in seq.starting for the next Advance.
 """
 import numbers
 import time
@@ -75,7 +76,8 @@ class Sequence:
                           rejected=0, stop_token=None)
 
     def start(self, pos, token):
-        """A new row at depth 0; its P call runs just before the next R call."""
+        """A new row at depth 0, only noted: its P call runs at the next Advance, before that R call
+        (Loop.advance), so P needs no yield, and the rows started in a tick share one P call."""
         row = Row(pos, token)
         self.starting.append(row)
         return row
@@ -87,9 +89,8 @@ class Sequence:
         return self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
 
     def verify(self, row, target):
-        """The verify: `row` was started from a draft; `target` is the full-depth read of the row
-        before it, whose token is AR's. Equal: `row` computes AR's row and goes on. Else it must be
-        dropped with every row built on it."""
+        """The verify: `row` was started from a draft; `target`, the row before it at full depth,
+        holds AR's token. Equal: `row` is AR's and goes on; else it and all after it are dropped."""
         ok = row.token == target.token
         self.stats["verified"] += 1
         self.stats["accepted" if ok else "rejected"] += 1
@@ -107,8 +108,6 @@ class Sequence:
             return True
         return len(self.tokens) >= self.max_new_tokens
 
-
-# -- the schedules ---------------------------------------------------------------------------------
 
 def autoregressive(seq):
     """P, T x R, C per token."""
@@ -179,8 +178,6 @@ def draft_then_verify(seq, k, draft_len):
                 break
 
 
-# -- a plain loop that runs them -------------------------------------------------------------------
-
 class Loop:
     """Runs one sequence's schedule on the model, call by call: each row's state (s, and e, what P
     made for it), the KV cache, greedy reads."""
@@ -194,20 +191,20 @@ class Loop:
 
     def prefill(self, seq):
         """The prompt at full depth, every position in each call; commits the first new token."""
-        n = len(seq.prompt)
-        pos = self.tensor(range(n))
+        pos = self.tensor(range(len(seq.prompt)))
         e, s = self.model.P(self.tensor(seq.prompt), pos, self.cache)
         for d in range(seq.num_steps):
             s = self.model.R(s, e, pos, d, self.cache)
         seq.stats["r_calls"] += seq.num_steps
-        seq.stats["rows"] += n * seq.num_steps
+        seq.stats["rows"] += len(pos) * seq.num_steps
         seq.stats["c_calls"] += 1
         logits = self.model.C(s, e, pos, self.cache)[-1]
         return seq.commit(Readout(int(logits.argmax()), logits))
 
     def advance(self, seq, rows):
-        """P for the rows the schedule started, then one R call over `rows`, each at its own depth,
-        their states stacked into one batch; each row's depth goes up by one."""
+        """The P call of the rows started since the last R call (seq.starting; why here:
+        Sequence.start), then one R call over `rows`, each at its own depth, stacked into one batch;
+        each row's depth goes up by one."""
         if seq.starting:
             e, s = self.model.P(self.tensor([r.token for r in seq.starting]),
                                 self.tensor([r.pos for r in seq.starting]), self.cache)
@@ -235,7 +232,7 @@ class Loop:
         return torch.stack(s), None if e[0] is None else torch.stack(e)
 
     def run(self, seq, schedule):
-        """The schedule's calls, one after another, until it returns."""
+        """Makes each call the schedule yields, and sends its result back, until it returns."""
         call = next(schedule)
         while True:
             out = (self.advance if isinstance(call, Advance) else self.read)(seq, call.rows)
@@ -246,8 +243,7 @@ class Loop:
 
 
 def default_draft_steps(model, num_steps=None):
-    """The draft depth k the checkpoint recommends for its own T (the demo has one), else the
-    paper's max(1, T // 8)."""
+    """k: the checkpoint's own at its own T (the demo has one), else the paper's max(1, T // 8)."""
     if num_steps in (None, model.num_steps) and model.config.get("wfd_draft_steps"):
         return model.config["wfd_draft_steps"]
     return max(1, (num_steps or model.num_steps) // 8)
@@ -257,14 +253,10 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
              draft_len=4, eos_token_id=None, kv="full", window=None,
              draft_hook: Callable[[int, int], int] = None, on_token: Callable[[int], None] = None,
              keep_logits=False):
-    """Greedy decoding of one prompt (a list of token ids) by `method`, returning
-    Generation(tokens, stats, logits). T = num_steps (default: the model's), k = draft_steps;
-    eos_token_id: an id or a collection of them; kv="shared" with `window` (default ceil(T / k)):
-    kv.SharedKVCache. Every method gives AR's tokens (with kv="shared", those of AR under the same
-    sharing): tested in float64 and float32; in a narrower dtype a call of other rows may round a
-    near tie otherwise (the engine's lanes are what make every dtype exact). draft_hook(pos,
-    token) -> token may replace each draft (the tokens must not change); on_token(token) as each
-    token commits. engine.generate takes these options and more."""
+    """Greedy decoding of one prompt (token ids) by `method`: Generation(tokens, stats, logits).
+    T = num_steps, k = draft_steps; eos_token_id: one id or several; kv="shared": kv.SharedKVCache;
+    draft_hook: Sequence.draft; on_token(token) at each commit. Every method gives its AR's tokens
+    (tested in float64 and float32; float32 logits differ by up to about 1e-5: README)."""
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
