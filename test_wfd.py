@@ -325,10 +325,10 @@ def test_generate_refuses_its_edges_in_one_line():
             wfd.generate(model, [1, 2], 4, **kw)
     out = wfd.generate(model, [1, 2], 2, kv="shared")
     assert [out.stats[s] for s in ("num_steps", "draft_steps", "window")] == [4, 1, 4]
-    assert len(wfd.generate(model, [1] * 60, 5, method="wfd").tokens) == 5  # positions 0..63
-    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(6\) - 1 "
-                                         "positions exceed the model's context of 64"):
-        wfd.generate(model, [1] * 60, 6)
+    assert len(wfd.generate(model, [1] * 60, 4, method="wfd").tokens) == 4  # 64 tokens in all
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(5\) "
+                                         "exceeds the model's context of 64 positions"):
+        wfd.generate(model, [1] * 60, 5)
 
 
 def test_generate_takes_numpy_stop_ids():

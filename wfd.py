@@ -275,10 +275,10 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     prompt = list(prompt_ids)
     if not prompt or max_new_tokens < 1:
         raise ValueError("give a prompt of at least one token and max_new_tokens >= 1")
+    if len(prompt) + max_new_tokens > model.args.max_seq_len:  # the engine's rule
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's context of {model.args.max_seq_len} positions")
     capacity = len(prompt) + max_new_tokens - 1  # the positions its rows compute
-    if capacity > model.args.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) - 1 "
-                         f"positions exceed the model's context of {model.args.max_seq_len}")
     stop = {eos_token_id} if isinstance(eos_token_id, numbers.Integral) else set(eos_token_id or ())
     seq = Sequence(prompt, max_new_tokens, T, stop, draft_hook, on_token, keep_logits)
     cache = (KVCache(model, capacity, T) if kv == "full"
