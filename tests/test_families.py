@@ -19,9 +19,10 @@ from tokenizers.pre_tokenizers import Whitespace
 
 import engine
 import models
-from engine import kv_cache, model_runner
+from engine import kv_cache
 from formats import checkpoints, configs
 from layers import transformer
+from host_reads import HostReads
 from test_batch import check_against_batched_ar, prompts_for
 from test_engine import (DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits,
                          tiny_model)
@@ -684,50 +685,32 @@ def test_raven_b_layout(tmp_path, layout):
 
 # -- every family: one blocking transfer per tick -------------------------------------------------
 
-HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
 @pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae", "loopformer", "llama"])
 def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     """After the prefill a generation reads the device once per tick at most, the tokens its C
     call chose (stats["host_syncs"] counts them), and makes no tensor of host data for the device
-    (on a GPU a blocking copy): every other read of a tensor's values (tolist, item, bool, ...)
-    and every torch.tensor after the prefill is counted here, on a CPU, and there are none.
-    Greedy and sampled, digested, one prompt and two batched, WFD (with the second proposal too)
-    and DtV."""
+    (on a GPU a blocking copy): every other read of a tensor's values (item, bool, torch.equal,
+    nonzero, .cpu(), tolist, ...) and every tensor made of host data after the prefill is counted
+    here at the dispatcher (host_reads.HostReads), and there are none. Greedy and sampled,
+    digested, one prompt and two batched, WFD (with the second proposal too) and DtV."""
     model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
-    T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
-    prefill, fetch = model_runner.Decoder.prefill, model_runner.fetch
-
-    def in_prefill(self, *args):
-        prefilling[0] = True
-        try:
-            return prefill(self, *args)
-        finally:
-            prefilling[0] = False
-    monkeypatch.setattr(model_runner.Decoder, "prefill", in_prefill)
-    for name in HOST_READS:
-        method = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, method=method, name=name, **kw: (
-            reads.append(name) if not prefilling[0] else None) or method(t, *a, **kw))
-    tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (
-        made.append(1) if not prefilling[0] else None) or tensor(*a, **kw))
-    fetched = []
-    monkeypatch.setattr(model_runner, "fetch", lambda t: (
-        fetched.append(1) if not prefilling[0] else None) or fetch(t))
+    T, counter = model.num_steps, HostReads(monkeypatch, model.device)
+    listed = lambda outs: outs if isinstance(outs, list) else [outs]
     runs = [([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
             ([5, 9], "dtv", dict(temperature=0.8, seed=1))]
     if T >= 3:  # the second proposal: its branches staged with the positions
         runs.append(([3, 1, 4], "wfd", dict(second_depth=T - 1)))
     for prompts, method, sampling in runs:
-        del reads[:], made[:], fetched[:]
-        prefilling[0] = True
-        outs = engine.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
-                               **sampling)
-        outs = outs if isinstance(outs, list) else [outs]
-        assert len(reads) == len(fetched) and not made, (kind, method, reads)
+        run = partial(engine.generate, model, prompts, 12, method=method, draft_steps=1,
+                      digest_logits=True, **sampling)
+        with counter:
+            outs = listed(run())
+        assert counter.reads == [] and counter.sent == [], (kind, method, counter.reads)
+        assert all(len(reads) == 1 for reads in counter.fetches), (kind, method, counter.fetches)
         for out in outs:
             ticks = out.stats["r_calls"] - T
             assert 0 < out.stats["host_syncs"] <= ticks, (kind, method, out.stats)
-        assert len(fetched) <= max(out.stats["r_calls"] - T for out in outs) * len(outs)
+        assert len(counter.fetches) <= max(out.stats["r_calls"] - T for out in outs) * len(outs)
+    # the last run's tokens and logits, bit for bit, without the counter
+    assert [(o.tokens, o.stats["logits_digest"]) for o in outs] == [
+        (o.tokens, o.stats["logits_digest"]) for o in listed(run())]
