@@ -8,8 +8,8 @@ On a CPU, the tests' device, every tensor that the engine touches after the pref
 device's: the host keeps its values in Python numbers and numpy arrays (engine.staging.Staging
 fills numpy views of the tensors that the calls read). There a copy to the host dispatches nothing,
 since the tensor is there already: `.to("cpu")` and `.cpu()` return it, and `tolist`, `numpy` and
-`__array__` read its memory without an op. So on a CPU, and only there, the counter also hooks
-those methods."""
+`__array__` read its memory with no op that reads (numpy dispatches a detach alone). So on a CPU,
+and only there, the counter also hooks those methods (`.to` when it names the CPU by name)."""
 import functools
 from typing import NamedTuple
 
@@ -20,16 +20,14 @@ from engine import model_runner
 
 aten = torch.ops.aten
 
-# ops whose result on the host is made of a tensor's values: `_local_scalar_dense` (item, bool,
-# int, float, index, `if t:`, is_nonzero: tagged data_dependent_output, as is `item` itself), the
-# comparisons that return a Python bool, and those whose output's shape depends on the values
-# (nonzero, masked_select, unique, bincount, repeat_interleave, ...: tagged dynamic_output_shape);
-# on a GPU each one waits for the device to finish its queue
+# the ops whose result on the host is made of tensors' values, tagged data_dependent_output:
+# `_local_scalar_dense` (item, bool, int, float, index, `if t:`, is_nonzero), `equal`, `allclose`;
+# and those whose output's shape depends on the values, tagged dynamic_output_shape: nonzero,
+# masked_select, unique, bincount, repeat_interleave, ... On a GPU each waits for the device's queue
 DATA_DEPENDENT = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
-COMPARISONS = {aten.equal.default, aten.allclose.default}
 # indexing by a mask reads it (the positions of its ones: nonzero on a GPU); an integer index
 # reads nothing on the host
-INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+INDEXING = {aten.index, aten.index_put, aten.index_put_}
 
 
 @functools.cache
@@ -41,7 +39,7 @@ def role(func):
     device's own work. Cached: the counter asks it of every op that a generation runs."""
     if func.overloadpacket in INDEXING:
         return "indexing"
-    if func in COMPARISONS or any(tag in func.tags for tag in DATA_DEPENDENT):
+    if any(tag in func.tags for tag in DATA_DEPENDENT):
         return "reads"
     if func in (aten._to_copy.default, aten.copy_.default):
         return "copy"
