@@ -160,8 +160,8 @@ class KVCache:
     def columns(self, pos, moved):
         """Columns 0..pos, those in moved (position: branch) their branch's: slice or tensor."""
         cols = torch.arange(pos + 1, device=self.device) if moved else slice(0, pos + 1)
-        for c, b in moved.items():
-            cols[c] = self.scratch + 1 + b
+        for c, b in moved.items():  # fill_ takes the value as the kernel's argument, where an
+            cols[c].fill_(self.scratch + 1 + b)  # assignment copies a host tensor (a CUDA sync)
         return cols
 
     def attend_rows(self, rows, layer, q, k, v):

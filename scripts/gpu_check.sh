@@ -17,7 +17,9 @@
 #             compiling.replay, pinned staging in a ring of 2 with CUDA events, the CUDA-graph
 #             counters): every family equal to compiled AR and eager AR's tokens, in each of greedy,
 #             sampled, second proposal, batched with refill and shared KV (without xdist: the quick
-#             suite's cases, each family once and each case once)                           ~115 s
+#             suite's cases, each family once and each case once); and decoding after the prefill
+#             under torch.cuda.set_sync_debug_mode("error") but in the tick's one transfer, eager
+#             and compiled (not yet run on a GPU: the estimate is from before it)        ~115 s
 #   tests     the other cuda tests that matter: static KV buffers kept, CUDA graphs
 #             taken, one blocking transfer per tick, compiled WFD == compiled AR across every key
 #             bucket, a row's bits independent of its lane (what the second proposal rests

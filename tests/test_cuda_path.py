@@ -16,6 +16,7 @@ import engine
 from cli import args
 from engine import checks, compiling, kv_cache, memory, model_runner, siblings, staging
 from formats import devices
+from host_reads import HostReads
 from test_batch import prompts_for
 from test_siblings import FAMILIES, model_of
 from test_engine import DEVICE, same_logits
@@ -242,6 +243,61 @@ def test_a_staging_event_is_recorded_on_the_models_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     staging.cuda_event(torch.device("cuda", 1))
     assert recorded == ["stream of cuda:1"]
+
+
+def test_cudas_sync_check_is_on_after_the_prefill_but_in_fetch(monkeypatch):
+    """HostReads(sync_debug=True), CUDA's own check of synchronizing calls, on a CPU with a
+    stand-in for torch.cuda.set_sync_debug_mode: two prompts through one slot (the second's
+    prefill after the first's decoding); each prompt's prefill (its T R calls and its fetch) and
+    every fetch run under "default", every other R call under "error", and the generation ends
+    under "default"."""
+    mode, seen = ["default"], []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+    recur, fetch = model_runner.recur, model_runner.fetch
+    monkeypatch.setattr(model_runner, "recur", lambda *a: seen.append(("R", mode[0])) or recur(*a))
+    monkeypatch.setattr(model_runner, "fetch",  # the counter's fetch calls this one
+                        lambda t: seen.append(("fetch", mode[0])) or fetch(t))
+    model = family_model("ouro")
+    T, counter = model.num_steps, HostReads(monkeypatch, model.device, sync_debug=True)
+    with counter:
+        outs = engine.generate(model, [[3, 1, 4], [2, 7]], 6, batch_size=1)
+    for out in outs:
+        n = out.stats["r_calls"] + 1 + out.stats["host_syncs"]  # its prefill's fetch, then ticks'
+        events, seen[:n] = seen[:n], []
+        assert events[:T + 1] == [("R", "default")] * T + [("fetch", "default")]
+        assert sorted(events[T + 1:]) == sorted([("R", "error")] * (out.stats["r_calls"] - T)
+                                                + [("fetch", "default")] * out.stats["host_syncs"])
+    assert seen == [] and mode == ["default"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's own check of synchronizing calls")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decoding_makes_no_synchronizing_cuda_call_after_the_prefill(compiled, monkeypatch):
+    """On CUDA, decoding after the prefill runs under torch.cuda.set_sync_debug_mode("error") but
+    in fetch, the tick's one transfer (a copy to pageable host memory: a synchronizing call), so
+    that any other synchronizing call (a read of a tensor's values, a blocking copy either way, a
+    stream's synchronize) raises; the staging's waits on its events are not such calls (copies
+    long done). Eager, every family, counted at the dispatcher too: greedy WFD, one prompt and two
+    batched, and sampled WFD with the second proposal. Compiled (CUDA's default: CUDA graphs
+    replayed), Huginn's sampled WFD after compile_graphs made its graphs (the settings of its
+    quick case above, whose graphs it shares in one process)."""
+    counter = HostReads(monkeypatch, DEVICE, dispatch=not compiled, sync_debug=True)
+    sampled = dict(temperature=0.8, top_k=20, seed=5)
+    for kind in ["huginn"] if compiled else FAMILIES:
+        model = family_model(kind)
+        runs = [([3, 1, 4], sampled)] if compiled else [
+            ([3, 1, 4], {}), ([[3, 1, 4], [2, 7]], {}),
+            ([5, 9], dict(sampled, second_depth=model.num_steps - 1))]
+        for prompts, kw in runs:
+            kw = dict(kw, draft_steps=1, capacity=8, compile=compiled)
+            if compiled:
+                engine.compile_graphs(model, prompts, 5, **kw)
+            with counter:
+                outs = engine.generate(model, prompts, 5, **kw)
+            assert counter.reads == [] and counter.sent == [], (kind, kw, counter.reads)
+            assert compiled or all(len(reads) == 1 for reads in counter.fetches)
+            for out in outs if isinstance(outs, list) else [outs]:
+                assert out.stats["host_syncs"] > 0 and out.stats["graphs_compiled"] == 0
 
 
 @pytest.mark.parametrize("device,flags,compiled", [

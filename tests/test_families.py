@@ -10,6 +10,7 @@ import random
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,10 @@ from tokenizers.pre_tokenizers import Whitespace
 
 import engine
 import models
-from engine import kv_cache, model_runner
+from engine import kv_cache
 from formats import checkpoints, configs
 from layers import transformer
+from host_reads import HostReads
 from test_batch import check_against_batched_ar, prompts_for
 from test_engine import (DEVICE, DTYPES, cached_greedy, close, exact, quick, same_logits,
                          tiny_model)
@@ -684,50 +686,65 @@ def test_raven_b_layout(tmp_path, layout):
 
 # -- every family: one blocking transfer per tick -------------------------------------------------
 
-HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+# each a read of a tensor's values by the host: on a GPU, a wait for the device's queue
+HOST_READS = dict(
+    equal=lambda t: torch.equal(t, t), allclose=lambda t: torch.allclose(t, t),
+    to_cpu=lambda t: t.to("cpu"), cpu=lambda t: t.cpu(), numpy=lambda t: t.numpy(),
+    asarray=lambda t: np.asarray(t), bool=lambda t: bool(t[0]), if_t=lambda t: 1 if t[0] else 0,
+    int=lambda t: int(t[0]), float=lambda t: float(t[0]), index=lambda t: [0, 1, 2][t[0]],
+    item=lambda t: t[0].item(), tolist=lambda t: t.tolist(), nonzero=lambda t: t.nonzero(),
+    mask=lambda t: t[t > 1], mask_assigned=lambda t: t.clone().__setitem__(t > 1, t[0]),
+    unique=lambda t: t.unique(), repr=lambda t: repr(t))
+# each a tensor made of host data (on a GPU, a blocking copy to the device)
+HOST_DATA = dict(tensor=lambda t: torch.tensor([1, 2]), as_tensor=lambda t: torch.as_tensor([1]),
+                 from_numpy=lambda t: torch.from_numpy(np.zeros(2)),
+                 number_assigned=lambda t: t.clone().__setitem__(0, 5))
+# neither: the device's own work, or a move to the device
+NEITHER = dict(add=lambda t: t + 1, to_device=lambda t: t.to(t.device),
+               to_dtype=lambda t: t.to(torch.float64), gather=lambda t: t[t.argmax()[None]],
+               where=lambda t: torch.where(t > 1, t, 0), fill=lambda t: t.clone()[0].fill_(5))
+
+
+@pytest.mark.parametrize("name", [*HOST_READS, *HOST_DATA, *NEITHER])
+def test_the_transfer_counter_sees_every_read_of_a_tensors_values(name, monkeypatch):
+    """host_reads.HostReads, as decoding after the prefill on a CPU (the tests' imitation of a
+    device): each spelling of a read of a tensor's values is counted, and of a tensor made of host
+    data, and nothing else."""
+    counter, t = HostReads(monkeypatch, "cpu"), torch.tensor([2, 0, 1])
+    with counter:
+        counter.mark(decoding=True)
+        {**HOST_READS, **HOST_DATA, **NEITHER}[name](t)
+    assert (bool(counter.reads), bool(counter.sent)) == (name in HOST_READS, name in HOST_DATA)
 
 
 @pytest.mark.parametrize("kind", ["ouro", "huginn", "parcae", "loopformer", "llama"])
 def test_one_blocking_transfer_per_tick_on_every_family(kind, monkeypatch):
     """After the prefill a generation reads the device once per tick at most, the tokens its C
     call chose (stats["host_syncs"] counts them), and makes no tensor of host data for the device
-    (on a GPU a blocking copy): every other read of a tensor's values (tolist, item, bool, ...)
-    and every torch.tensor after the prefill is counted here, on a CPU, and there are none.
-    Greedy and sampled, digested, one prompt and two batched, WFD (with the second proposal too)
-    and DtV."""
+    (on a GPU a blocking copy): every other read of a tensor's values (item, bool, torch.equal,
+    nonzero, .cpu(), tolist, ...) and every tensor made of host data after the prefill is counted
+    here at the dispatcher (host_reads.HostReads), and there are none. Greedy and sampled,
+    digested, one prompt and two batched, WFD (with the second proposal too) and DtV."""
     model = tiny_model(kind, 0) if kind in ("ouro", "huginn", "parcae") else tiny_family(kind, 0)
-    T, prefilling, reads, made = model.num_steps, [True], [], []  # counting from a first prefill
-    prefill, fetch = model_runner.Decoder.prefill, model_runner.fetch
-
-    def in_prefill(self, *args):
-        prefilling[0] = True
-        try:
-            return prefill(self, *args)
-        finally:
-            prefilling[0] = False
-    monkeypatch.setattr(model_runner.Decoder, "prefill", in_prefill)
-    for name in HOST_READS:
-        method = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, method=method, name=name, **kw: (
-            reads.append(name) if not prefilling[0] else None) or method(t, *a, **kw))
-    tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (
-        made.append(1) if not prefilling[0] else None) or tensor(*a, **kw))
-    fetched = []
-    monkeypatch.setattr(model_runner, "fetch", lambda t: (
-        fetched.append(1) if not prefilling[0] else None) or fetch(t))
+    T, counter = model.num_steps, HostReads(monkeypatch, model.device)
+    listed = lambda outs: outs if isinstance(outs, list) else [outs]
     runs = [([3, 1, 4], "wfd", {}), ([[3, 1, 4], [2, 7]], "wfd", {}),
             ([5, 9], "dtv", dict(temperature=0.8, seed=1))]
     if T >= 3:  # the second proposal: its branches staged with the positions
         runs.append(([3, 1, 4], "wfd", dict(second_depth=T - 1)))
     for prompts, method, sampling in runs:
-        del reads[:], made[:], fetched[:]
-        prefilling[0] = True
-        outs = engine.generate(model, prompts, 12, method=method, draft_steps=1, digest_logits=True,
-                               **sampling)
-        outs = outs if isinstance(outs, list) else [outs]
-        assert len(reads) == len(fetched) and not made, (kind, method, reads)
+        run = partial(engine.generate, model, prompts, 12, method=method, draft_steps=1,
+                      digest_logits=True, **sampling)
+        with counter:
+            outs = listed(run())
+        assert counter.reads == [] and counter.sent == [], (kind, method, counter.reads)
+        assert all(len(reads) == 1 for reads in counter.fetches), (kind, method, counter.fetches)
+        syncs = [out.stats["host_syncs"] for out in outs]
         for out in outs:
             ticks = out.stats["r_calls"] - T
             assert 0 < out.stats["host_syncs"] <= ticks, (kind, method, out.stats)
-        assert len(fetched) <= max(out.stats["r_calls"] - T for out in outs) * len(outs)
+        # a fetch reads for each sequence it serves: for one of them at least, all at most
+        assert max(syncs) <= len(counter.fetches) <= sum(syncs), (kind, method, syncs)
+    # the last run's tokens and logits, bit for bit, without the counter
+    assert [(o.tokens, o.stats["logits_digest"]) for o in outs] == [
+        (o.tokens, o.stats["logits_digest"]) for o in listed(run())]
