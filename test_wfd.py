@@ -1,7 +1,9 @@
 """Tests of the reference (wfd.py, kv.py, models.py), on the official code's goldens: its AR gives
 the official greedy tokens and logits, and every schedule gives its AR's tokens, with forced wrong
 drafts, EOS in the middle of a wave, every draft depth and shared KV; the engine (engine/) gives the
-reference's tokens on every family. The engine's own tests are in tests/."""
+reference's tokens on every family; WFD's and DtV's R and C calls per token are those their
+schedules' definitions give. The engine's own tests are in tests/ (the demo's counts:
+tests/test_speedup.py)."""
 import json
 import os
 
@@ -163,7 +165,6 @@ def test_bad_arguments_are_named():
     for prompt, n in (([], 4), ([1, 2], 0)):
         with pytest.raises(ValueError, match="give a prompt of at least one token"):
             wfd.generate(model, prompt, n)
-
 
 
 # -- the schedules' calls per token --------------------------------------------------------------

@@ -108,13 +108,12 @@ def plain_reads(model, prompt, tokens, temperature):
     depth shares, engine.sampling.choose)."""
     ids, T = prompt + tokens[:-1], model.num_steps
     pos = torch.arange(len(ids))
-    cache = KVCache(model, len(ids), T)
+    cache, sampling, reads = KVCache(model, len(ids), T), Sampling(temperature), {}
     with torch.no_grad():
         e, s = model.P(torch.tensor(ids), pos, cache)
-        reads = {}
         for d in range(T):
             s = model.R(s, e, pos, d, cache)
-            reads[d + 1] = choose(model.C(s, e, pos, cache), pos + 1, Sampling(temperature)).tolist()
+            reads[d + 1] = choose(model.C(s, e, pos, cache), pos + 1, sampling).tolist()
     return reads
 
 
