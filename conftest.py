@@ -11,6 +11,7 @@ them."""
 import os
 
 import pytest
+import torch
 
 import models
 from engine import kv_cache
@@ -38,6 +39,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def small_kv_blocks(monkeypatch):
     monkeypatch.setattr(kv_cache, "BLOCK", 8)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: the tiny models' and the demo's matmuls are too small to share between
+    cores, and lose much when another process holds one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # the golden checkpoints (tests/testdata/) as the goldens' official runs load them, one per module

@@ -1,8 +1,9 @@
 """Tests of the reference (wfd.py, kv.py, models.py), on the official code's goldens: its AR gives
 the official greedy tokens and logits, and every schedule gives its AR's tokens, with forced wrong
 drafts, EOS in the middle of a wave, every draft depth and shared KV; its calls run as wfd.py traces
-a tick; the engine (engine/) gives the reference's tokens on every family. The engine's own tests
-are in tests/."""
+a tick; the engine (engine/) gives the reference's tokens on every family; WFD's and DtV's R and
+C calls per token are those their schedules' definitions give. The engine's own tests are in
+tests/ (the demo's counts: tests/test_speedup.py)."""
 import json
 import os
 
@@ -340,3 +341,91 @@ def test_generate_takes_numpy_stop_ids():
     for stop in (np.int64(eos), [np.int32(eos)], (np.uint8(eos), np.int64(0))):
         out = wfd.generate(model, prompt, N_NEW, eos_token_id=stop)
         assert out.tokens == ar.tokens[:end] and out.stats["stop_token"] == eos
+
+
+# -- the schedules' calls per token --------------------------------------------------------------
+
+def wavefront_r_calls(T, k, accepted, rejected):
+    """wfd.wavefront's R calls for n = accepted + rejected + 2 tokens (k < T, no stop token). The
+    prefill's T give token 1. Row j (j = 0 .. n - 2) computes token j + 2: it starts in R call
+    s_j (s_0 = 1) and is read at depth T after R call s_j + T - 1, when its token commits. Row
+    j + 1 starts at s_j + k when row j's draft was right (read at depth k after call s_j + k - 1,
+    its row joins the next call), at s_j + T when it was wrong (the restart follows the verify).
+    So the last token commits after T + s_{n-2} + T - 1 = 2 T + a k + r T R calls, a and r the
+    drafts accepted and rejected: 2 T + (n - 2) k with every draft right, n T (AR's) with none."""
+    return 2 * T + accepted * k + rejected * T
+
+
+def wavefront_c_calls(T, k, n, every_draft_right):
+    """wfd.wavefront's C calls for n >= 2 tokens (k < T, no stop token) at the two extremes: the
+    prefill's, then one per tick with a read, a draft's at depth k and a verify's at T sharing one
+    when they fall together (with s_j as in wavefront_r_calls).
+    Every draft right: s_j = 1 + j k; row j's draft is read at tick (j + 1) k (rows 0 .. n - 3:
+    the row at the last position drafts nothing) and its verify at j k + T: 2 n - 3 reads, less
+    the ticks they share: where k divides T, the verify of row j and the draft of row
+    j + T / k - 1 (j <= n - 2 - T / k).
+    Every draft wrong: s_j = 1 + j T, rounds of T ticks. In round j the fresh row j and the wrong
+    rows drafted one from the other read drafts at its ticks k, 2 k, ... (counted from 1), d_j =
+    min(T // k, n - 2 - j) of them (up to the verify's tick T, and to the row at the last
+    position), and the verify one; the d_j-th draft shares the verify's call when d_j k = T."""
+    if every_draft_right:
+        shared = max(0, n - 1 - T // k) if T % k == 0 else 0
+        return 1 + 2 * n - 3 - shared
+    drafts = [min(T // k, n - 2 - j) for j in range(n - 1)]
+    return 1 + sum(1 + d - (d * k == T) for d in drafts)
+
+
+def draft_then_verify_calls(T, k, n, draft_len, every_draft_right):
+    """wfd.draft_then_verify's (R calls, C calls) for n tokens (no stop token): the prefill's T
+    and 1, then rounds. A round of j rows (j - 1 drafts) runs each row k R calls alone, each draft
+    read in a C call of its own, then T - k R calls over all j rows and one C call that verifies:
+    j k + T - k R calls and j C calls. A round starting after c tokens holds j = min(draft_len + 1,
+    n - c) rows (no row computes a position past the last token's). Every draft right: it commits
+    its j tokens (the bonus included), so the rounds take the n - 1 tokens draft_len + 1 at a time:
+    T + (n - 1) k + ceil((n - 1) / (draft_len + 1)) (T - k) R calls, n C calls. Every draft
+    wrong: it commits 1 token (the correction), n - 1 rounds. With k = T every draft is read at
+    full depth, AR's token: right, and the counts are AR's, n T and n."""
+    if every_draft_right:
+        rounds = -(-(n - 1) // (draft_len + 1))
+        return T + (n - 1) * k + rounds * (T - k), n
+    rows = [min(draft_len + 1, n - c) for c in range(1, n)]
+    return T + sum(j * k + T - k for j in rows), 1 + sum(rows)
+
+
+@pytest.mark.parametrize("name,lengths", [("ouro_A", (2, 13)), slow("huginn_A", (2, 3, 13))])
+def test_calls_per_token_follow_the_schedules(name, lengths, one_thread):
+    """WFD's and DtV's R and C calls against the formulas above, with every draft forced right
+    (draft_hook: AR's token), every draft forced wrong, and every third wrong (WFD's R calls), at
+    every k < T; and at k = T, where no draft is made (WFD) or every draft is read at full depth
+    (DtV): AR's counts. A schedule that keeps AR's tokens but computes them later (a row that
+    joins the wavefront a call late, a correction a call late) fails here."""
+    model, prompt = load(name, torch.float64), prompt_of(name)
+    V, T = model.args.vocab_size, model.num_steps
+    for n in lengths:
+        ar = wfd.generate(model, prompt, n, method="ar")
+        right = wrong_at(ar, prompt, V, lambda pos: False)
+        wrong = wrong_at(ar, prompt, V, lambda pos: True)
+        third = wrong_at(ar, prompt, V, lambda pos: pos % 3 == 0)
+        for k in range(1, T):
+            for hook, every_right in ((right, True), (wrong, False)):
+                out = wfd.generate(model, prompt, n, method="wfd", draft_steps=k, draft_hook=hook)
+                a, r = (n - 2, 0) if every_right else (0, n - 2)
+                assert (out.stats["accepted"], out.stats["rejected"]) == (a, r)
+                assert out.stats["r_calls"] == wavefront_r_calls(T, k, a, r), (n, k, every_right)
+                assert out.stats["c_calls"] == wavefront_c_calls(T, k, n, every_right), (n, k)
+                out = wfd.generate(model, prompt, n, method="dtv", draft_steps=k, draft_len=3,
+                                   draft_hook=hook)
+                assert (out.stats["r_calls"], out.stats["c_calls"]) == draft_then_verify_calls(
+                    T, k, n, 3, every_right), (n, k, every_right)
+            out = wfd.generate(model, prompt, n, method="wfd", draft_steps=k, draft_hook=third)
+            wrong_drafts = sum(pos % 3 == 0 for pos in range(len(prompt) + 1, len(prompt) + n - 1))
+            assert out.stats["rejected"] == wrong_drafts
+            assert out.stats["r_calls"] == wavefront_r_calls(T, k, n - 2 - wrong_drafts,
+                                                             wrong_drafts)
+        out = wfd.generate(model, prompt, n, method="wfd", draft_steps=T)
+        assert (out.stats["r_calls"], out.stats["c_calls"], out.stats["drafted"]) == (n * T, n, 0)
+        out = wfd.generate(model, prompt, n, method="dtv", draft_steps=T, draft_len=3)
+        assert (out.stats["r_calls"], out.stats["c_calls"]) == (n * T, n)
+        drafts = n - 1 - -(-(n - 1) // 4)  # a round's rows but its first, n - 1 in rounds of 4
+        assert (out.stats["accepted"], out.stats["rejected"], out.stats["drafted"]) == (drafts, 0,
+                                                                                      drafts)
