@@ -70,7 +70,7 @@ class ModelArgs:
     vocab_size: int
     n_prelude: int         # layers run once per token before the loop; 0 for Ouro
     n_core: int            # the looped layers
-    n_coda: int            # layers run once per token after the loop; 0 for Ouro
+    n_coda: int            # layers after the loop, run at each C call; 0 for Ouro
     num_steps: int         # default full depth T
     rope_theta: float
     norm_eps: float        # None: nn.RMSNorm's default, its arithmetic's epsilon (LoopFormer)
