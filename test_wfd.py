@@ -253,7 +253,7 @@ class SharedRule:
 
     def attend(self, call, layer, q, k, v):
         (p,), a = call.pos.tolist(), self.args
-        depth = call.depth if layer < a.n_core else None
+        depth = int(call.depth) if layer < a.n_core else None  # R's depth: a tensor [1]
         self.kv[layer, depth, p] = k[0], v[0]
         keys, values = (torch.stack(t) for t in zip(*(
             self.kv[layer, self.depth_read(layer, depth, p, c), c] for c in range(p + 1))))
