@@ -1,8 +1,9 @@
 """The KV cache of a looped LM, one slot per (depth, layer), and the attention that reads it.
 
 A looped layer j runs at every depth d, and a row at depth d attends to the depth-d keys of the
-positions before it, so each (d, j) has a slot of its own; a prelude or coda layer runs once per
-token and has one slot. Every slot is a static buffer written by absolute position:
+positions before it, so each (d, j) has a slot of its own; a prelude layer (run by a position's P
+call) or coda layer (run by each C call of it: a draft read, the verify) has one slot. Every slot is
+a static buffer written by absolute position:
 
     k, v  [slots, kv heads, capacity, head dim]      (L = the looped layers, T = the full depth)
 
@@ -14,10 +15,12 @@ token and has one slot. Every slot is a static buffer written by absolute positi
 
 Why reading this cache gives every schedule AR's result. A row at position p reads columns 0..p of
 its slots and nothing past p. The wavefront runs a row at p only after the rows before it have
-passed each depth it reaches (they started earlier and sit deeper on the diagonal), so the columns
-before p hold what AR's rows wrote there. A rejected draft's row at p has written wrong keys at
-column p of the depths it reached; no row reads them, since the rows after it were dropped with it,
-and the row that restarts at p overwrites each depth before any later row reads it. No rollback.
+passed each depth it reaches (they started earlier and sit deeper on the diagonal). A row at p
+survives only if every row before it was accepted, so (by induction over positions) those rows are
+AR's, and what a surviving row read at columns < p is what AR's rows wrote there. A rejected
+draft's row at p wrote wrong keys at column p of the depths it reached; no row reads them, since
+the rows after it were dropped with it, and the row that restarts at p overwrites each depth before
+any later row reads it. No rollback.
 The prelude and coda slots follow the same rule. A restarted row's P call rewrites prelude column p
 before any later row's P call. A draft read at p writes coda keys at column p from a shallow
 state; only later drafts read them, since the verify reads p at full depth and rewrites column p
@@ -55,8 +58,9 @@ class KVCache:
         return self.depth_slots + layer - self.n_core
 
     def prepare(self, call):
-        """Once per call (models.LoopedLM._layers): its rows grouped by depth (call.depth: one per
-        row, one for all, or None), the host reading their positions and depths once."""
+        """Once per call (models.LoopedLM._layers; call: a models.Call, the rows' positions and
+        depths: one per row, one for all, or None): its rows grouped by depth, the host reading
+        their positions and depths once."""
         pos = call.pos.tolist()
         depth = call.depth.tolist() if torch.is_tensor(call.depth) else [call.depth] * len(pos)
         groups = {}
@@ -70,10 +74,10 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions, then
         attend each row (q [N, H, hd]) to its slot's columns 0..pos: every row of a group in one
         SDPA call. Every write comes before any read, so rows of one call see each other's keys
-        (draft-then-verify's verify pass, the prefill). So an R call batches its rows for the
-        matmuls but makes one SDPA call per depth here: in a wavefront, up to ceil(T / k) a layer.
-        (The engine attends all rows of a call at once, each over its own depth's keys gathered,
-        key block by key block; eager on a CPU, row by row: engine/kv_cache.py's attend.)"""
+        (draft-then-verify's verify pass, the prefill). In a wavefront R call the rows all sit at
+        different depths, so each group is one row: attention is one SDPA call per row, ceil(T / k)
+        per layer; only the matmuls are one batch. (The engine attends all rows of a call at once,
+        each over its own depth's keys: engine/kv_cache.py.)"""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -101,13 +105,15 @@ class SharedKVCache(KVCache):
     wavefront's rows read the keys of positions still in flight where AR's read finished ones, so
     WFD under it does not give AR's output. This rule: a row at position p >= `prompt` and depth d
     reads the depth-d keys of the `window` positions p - window < q <= p and, for every older
-    position, the keys of the last depth (T - 1); the prompt's rows read their own depth, as in
-    KVCache. Exact, WFD under it giving AR under it: a position `window` >= ceil(T / k) behind p
-    started at least T ticks before p, so it has passed the last depth. But a model other than the
-    full cache's: on the demo (README's run) shared AR keeps 1 of full AR's 128 tokens, the
-    prefill's. This class keeps every depth, for the rule alone: it saves nothing (1,114,112 bytes
-    there, as KVCache); the engine's (engine/kv_cache.py) keeps one final-depth buffer and a
-    ring of the last positions per depth: 305,152 bytes against its full cache's 1,122,304."""
+    position, the keys of the last depth (T - 1). The prompt's rows read their own depth, as in
+    KVCache: the prefill runs them all at each depth in turn, so none has a last depth yet. Exact,
+    WFD under it giving AR under it: rows start at least k ticks apart, so a position `window` >=
+    ceil(T / k) behind p started k * ceil(T / k) >= T ticks before p and has passed the last depth.
+    But a model other than the full cache's: on the demo (README's run) shared AR agrees with full
+    AR on the first token only. This class keeps every depth, for the rule alone, and saves nothing
+    (1,114,112 bytes there, as KVCache; the engine's full cache, 1,122,304, has a scratch column
+    more). The engine's (engine/kv_cache.py SharedKVCache) keeps per looped layer one final-depth
+    slot and, per depth, a ring of the last max(W, 2W - 2) positions (W = window): 305,152 bytes."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

@@ -23,8 +23,8 @@ kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's injectio
 token's value embeddings (tables looked up by token id that some blocks mix into v, in every
 recurrence).
 
-A row is one token position at one depth (completed recurrences). Every recurrent layer applied at
-depth d reads and writes KV slot d, so rows at different depths can share one batched R call: the
+A row is one token position at one depth (completed recurrences). Looped layer j applied at depth
+d reads and writes KV slot (d, j), so rows at different depths can share one batched R call: the
 matmuls see a plain [rows, D] batch, and only attention cares which depth a row is at (kv.py).
 """
 import math
@@ -44,6 +44,8 @@ from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_t
 S0_STREAM = 0x85EBCA6B  # keeps the initial state's noise apart from sampling's for the same seed
 
 
+# A first read can skip to LoopedLM.P (the three calls): ModelArgs, the model's parts and loading
+# are the families' plumbing.
 @dataclass
 class ModelArgs:
     """What a family is, decided here once so that the forward code has no branches (filled from
@@ -68,7 +70,7 @@ class ModelArgs:
     vocab_size: int
     n_prelude: int         # layers run once per token before the loop; 0 for Ouro
     n_core: int            # the looped layers
-    n_coda: int            # layers run once per token after the loop; 0 for Ouro
+    n_coda: int            # layers after the loop, run at each C call; 0 for Ouro
     num_steps: int         # default full depth T
     rope_theta: float
     norm_eps: float        # None: nn.RMSNorm's default, its arithmetic's epsilon (LoopFormer)
@@ -144,15 +146,15 @@ class LoopedLM(nn.Module):
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         # value embeddings: one table per mixing block, stacked into one [tables * V, kv width]
         ve_dim, ve_blocks = a.n_kv_heads * a.head_dim, a.value_embeds
-        cols = {k: slice(i * ve_dim, (i + 1) * ve_dim) for i, k in enumerate(ve_blocks)}
-        block = lambda layer_id, k, hidden: Block(a, layer_id, hidden, cols.get(k))
+        cols = {b: slice(i * ve_dim, (i + 1) * ve_dim) for i, b in enumerate(ve_blocks)}
+        block = lambda layer_id, index, hidden: Block(a, layer_id, hidden, cols.get(index))
         # KV layer ids: the looped layers first (one slot per depth each), then prelude and coda;
-        # k counts blocks in the checkpoints' order, prelude first
-        P, R = a.n_prelude, a.n_core
+        # index: the block's place in the checkpoints' order, prelude first
+        n_pre, n_core = a.n_prelude, a.n_core
         core_hidden = a.core_hidden_dim or a.hidden_dim
-        self.core = nn.ModuleList(block(j, P + j, core_hidden) for j in range(R))
-        self.prelude = nn.ModuleList(block(R + i, i, a.hidden_dim) for i in range(P))
-        self.coda = nn.ModuleList(block(R + P + i, P + R + i, a.hidden_dim)
+        self.core = nn.ModuleList(block(j, n_pre + j, core_hidden) for j in range(n_core))
+        self.prelude = nn.ModuleList(block(n_core + i, i, a.hidden_dim) for i in range(n_pre))
+        self.coda = nn.ModuleList(block(n_core + n_pre + i, n_pre + n_core + i, a.hidden_dim)
                                   for i in range(a.n_coda))
         diagonal = a.injection == "diagonal"
         self.adapter = None if not a.inject else (
@@ -188,8 +190,8 @@ class LoopedLM(nn.Module):
     # c_state and head) hold the device work, which the engine calls with Calls of its own.
 
     def P(self, ids, pos, cache=None):
-        """Start rows: their e and initial state s0 (e None where R reads no e: Ouro,
-        LoopFormer)."""
+        """Start rows: (e, s0), their e and initial state (e None where R reads no e: Ouro,
+        LoopFormer); wfd.Loop keeps them per row as (s, e), the order R and C take."""
         return self.p_body(ids, Call(pos, None, cache))
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):

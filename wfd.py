@@ -2,19 +2,23 @@
 (DtV): the schedules, the bookkeeping they share, and a plain loop that runs them on the model.
 
 A looped LM (models.py) is driven through three calls: P starts a row (a token at a position, at
-depth 0), R takes rows one recurrence deeper, C reads a token out of a row. A row at depth d attends
-to the depth-d keys of the positions before it (kv.py), so rows at different positions and depths
-share one R call, the wavefront's batched call: batched are its matmuls; its attention is one SDPA
-call per depth, up to ceil(T / k) a layer (kv.KVCache.attend; the engine's: engine/kv_cache.py).
+depth 0), R takes rows one recurrence deeper, C reads a token out of a row; T is the full depth, k
+the draft's. A row at depth d attends to the depth-d keys of the positions before it (kv.py), so
+rows at different positions and depths share one R call, the wavefront's batched call: its matmuls
+are one batch; its rows all sit at different depths, so attention is one SDPA call per row,
+ceil(T / k) per layer.
 
-A schedule is a generator that never touches the model (the engine runs the same ones in lanes):
-`yield Advance(rows)` asks for an R call, `out = yield Read(rows)` for a C call, and `Loop.run`
-makes each call and sends its result back. A `wavefront` tick (T = 4, k = 2; a, b at depths 3, 1):
+A schedule is a generator that never touches the model (the engine runs the same ones): a tick of
+`wavefront` is `yield Advance(rows)` (Loop.advance: the P call of the rows started since the last
+one, then one R call) and `out = yield Read(rows)` (Loop.read: one C call, out its Readouts),
+`Loop.run` making each call and sending its result back. At T = 4, k = 2, from rows a, b at depths
+3, 1, the rows after each R call (row:depth) sit on a diagonal; c's draft is wrong:
 
-    yield Advance([a, b])     Loop.advance: P of seq.starting (none), one R call: depths 4 and 2
-    out = yield Read([a, b])  Loop.read: one C call; out = [a's Readout, b's Readout]
-    then wavefront verifies b's token (a draft) against out[0], AR's, commits out[0], and drafts
-    from out[1]: seq.start(c), whose P call waits in seq.starting for the next Advance.
+    R call 1  a:4 b:2   C reads a (b's draft right: commit it) and b (draft c)
+    R call 2  b:3 c:1   (c's P call opens the call: seq.start only noted c)
+    R call 3  b:4 c:2   C reads b (c's draft wrong: commit b's read, drop c, no draft) and c
+    R call 4  c:1       c restarted from depth 0 with b's read, AR's token
+    R call 5  c:2       C reads c (draft d)
 """
 import numbers
 import time
@@ -70,8 +74,7 @@ class Sequence:
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
-        # drafted: rows started from a read at depth k; verified: verifies that met a draft, each
-        # accepted (the draft was AR's token) or rejected
+        # drafted: rows started from a read at depth k; verified: drafts checked, accepted or not
         self.stats = dict(r_calls=0, rows=0, c_calls=0, drafted=0, verified=0, accepted=0,
                           rejected=0, stop_token=None)
 
@@ -89,8 +92,8 @@ class Sequence:
         return self.draft_hook(row.pos + 1, out.token) if self.draft_hook else out.token
 
     def verify(self, row, target):
-        """The verify: `row` was started from a draft; `target`, the row before it at full depth,
-        holds AR's token. Equal: `row` is AR's and goes on; else it and all after it are dropped."""
+        """The verify: `row` was started from a draft; target: the previous row's full-depth
+        Readout, AR's token. True: the draft was AR's; else the caller drops `row` and all after."""
         ok = row.token == target.token
         self.stats["verified"] += 1
         self.stats["accepted" if ok else "rejected"] += 1
@@ -122,29 +125,28 @@ def autoregressive(seq):
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that verifies the oldest row
     (at depth T) and drafts from the newest (at depth k). A draft starts a row at the next position
-    at once, so the rows in flight sit on a diagonal over (position, depth), ceil(T / k) of them,
-    and a token commits every k ticks while drafts are accepted."""
-    T = seq.num_steps
+    at once, so a row starts every k ticks and the rows sit on a diagonal over (position, depth), at
+    depths T, T - k, T - 2k, ... (k, 2k, ..., T when k divides T), ceil(T / k) of them. An accepted
+    draft's row commits k ticks after the row before it; a rejected one restarts from depth 0 and
+    commits T ticks after: a*k + (1 - a)*T ticks a token at acceptance a."""
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
-        verifying = oldest.depth == T
-        # with k = T the one row reaches k and T together: it is verified, not drafted from (else
-        # the restart below and a draft would both start pos + 1); the row at last_pos drafts
-        # nothing: a row at last_pos + 1 would compute a token past max_new_tokens
+        verifying = oldest.depth == seq.num_steps
+        # edge cases: with k = T the one row is verified, not drafted from (the restart below starts
+        # pos + 1); the row at last_pos drafts nothing (a row past it computes no kept token)
         drafting = (newest.depth == k and not (verifying and newest is oldest)
                     and newest.pos < seq.last_pos)
-        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1]); the
-        # order is indexing only: the two rows write their own coda columns
-        reading = [oldest] * verifying + [newest] * drafting
+        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1])
+        reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
             target = out[0]
             rows.pop(0)
             if rows and not seq.verify(rows[0], target):
-                # the correction: the wrong draft and every row after it are dropped (their KV
-                # lies past every reader: kv.py), and the row restarts below with AR's token
+                # the correction: the wrong draft and every row after it are dropped, the newest
+                # (no draft then) too; their KV lies past every reader (kv.py); a restart below
                 rows, drafting = [], False
             if seq.commit(target):
                 return
@@ -179,11 +181,10 @@ def draft_then_verify(seq, k, draft_len):
 
 
 class Loop:
-    """Runs one sequence's schedule on the model, call by call: each row's state (s, and e, what P
-    made for it), the KV cache, greedy reads."""
+    """Runs one sequence's schedule on the model, call by call, with greedy reads; state: row ->
+    (s, e) (e: what P made for it), for as long as the schedule holds the row."""
 
     def __init__(self, model, cache):
-        # row -> (s, e), for as long as the schedule holds the row
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
 
     def tensor(self, values):
@@ -254,7 +255,8 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
              draft_hook: Callable[[int, int], int] = None, on_token: Callable[[int], None] = None,
              keep_logits=False):
     """Greedy decoding of one prompt (token ids) by `method`: Generation(tokens, stats, logits).
-    T = num_steps, k = draft_steps; eos_token_id: one id or several; kv="shared": kv.SharedKVCache;
+    T = num_steps, k = draft_steps; eos_token_id: one id or several; kv="shared": kv.SharedKVCache,
+    its rows reading their own depth at the `window` positions up to theirs (default ceil(T / k));
     draft_hook: Sequence.draft; on_token(token) at each commit. Every method gives its AR's tokens
     (tested in float64 and float32; float32 logits differ by up to about 1e-5: README)."""
     T = model.num_steps if num_steps is None else num_steps

@@ -102,7 +102,8 @@ class Block(nn.Module):
         self.ada = nn.Linear(a.dim, 4 * a.dim) if a.clock else None  # LoopFormer's adaLN_modulation
 
     def forward(self, x, cos, sin, attend, ve=None, mod=None):  # x [..., N, D]; ve [..., N, cols]
-        """cos, sin: the rows' RoPE rows (models.LoopedLM.rope)."""
+        """cos, sin: the rows' RoPE rows (models.LoopedLM.rope). For WFD one line matters,
+        attend(q, k, v) (kv.KVCache.attend); the rest is the families' flags (ModelArgs)."""
         a = self.args
         gate_attn, gate_mlp, scale_attn, scale_mlp = [None] * 4 if mod is None else mod.chunk(4, -1)
         h = self.sublayer_input(x, self.attn_norm, scale_attn)
