@@ -15,13 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the project
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A model this small decodes fastest on one thread (and far faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: a model this small, one thread
 
 
 @pytest.mark.slow

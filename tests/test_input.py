@@ -23,7 +23,7 @@ OURO_A = os.path.join(HERE, "testdata", "ouro_A")
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)  # the commands set one thread for the tiny models

@@ -30,7 +30,7 @@ PARCAE_A = os.path.join(HERE, "testdata", "parcae_A")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)  # run.main sets one thread for the demo
