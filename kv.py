@@ -119,13 +119,13 @@ class SharedKVCache(KVCache):
     Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
     full AR on the first token only.
 
-    Memory: this class keeps every depth, for the rule alone, and saves nothing (1,114,112 bytes
-    there, as KVCache; the engine's full cache, 1,122,304, has a scratch column more). The engine's
-    (engine/kv_cache.py) keeps per looped layer one final-depth slot and, per depth, a ring of the
-    last max(W, 2W - 2) positions (W = window), position q at entry q mod size: 305,152 bytes. Why
-    2W - 2: a restarted row at p reads p - W + 1 .. p, while the dropped rows after it (at most
-    W - 2 beyond p, as at most W rows are in flight) wrote p + 1 .. p + W - 2; these 2W - 2
-    positions must not share an entry."""
+    Memory: this class keeps every depth, for the rule alone, and saves nothing (1,114,112 bytes on
+    the demo's run, as KVCache; the engine's full cache, 1,122,304, has a scratch column more). The
+    engine's (engine/kv_cache.py) keeps per looped layer one final-depth slot and, per depth, a ring
+    of the last max(W, 2W - 2) positions (W = window), position q at entry q mod its size: 305,152
+    bytes. Why 2W - 2: a row restarted at p reads p - W + 1 .. p, while the rows dropped with it
+    wrote up to p + W - 2 (of the at most W rows in flight, the one at p - 1 was just verified);
+    these 2W - 2 positions must not share an entry."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)
