@@ -7,24 +7,26 @@ a static buffer written by absolute position:
 
     k, v  [slots, kv heads, capacity, head dim]      (L = the looped layers, T = the full depth)
 
-    slot 0 .. T*L-1             looped layer j at depth d: d * L + j (d: the recurrences the
-                                row has done, 0..T-1, as it runs the next one)
+    slot 0 .. T*L-1             looped layer j at depth d: d * L + j (depth = R calls done; the
+                                R call from d to d + 1 uses slot d, so depth T has none)
     slot T*L .. T*L+P-1         the P prelude layers
     slot T*L+P ..               the coda layers
     column p                    position p's key, written by the row at position p
 
 Why reading this cache gives every schedule AR's result. A row at position p reads columns 0..p of
-its slots and nothing past p. The wavefront runs a row at p only after the rows before it have
-passed each depth it reaches (they started earlier and sit deeper on the diagonal). A row at p
-survives only if every row before it was accepted, so (by induction over positions) those rows are
-AR's, and what a surviving row read at columns < p is what AR's rows wrote there. A rejected
-draft's row at p wrote wrong keys at column p of the depths it reached; no row reads them, since
-the rows after it were dropped with it, and the row that restarts at p overwrites each depth before
-any later row reads it. No rollback.
-The prelude and coda slots follow the same rule. A restarted row's P call rewrites prelude column p
-before any later row's P call. A draft read at p writes coda keys at column p from a shallow
-state; only later drafts read them, since the verify reads p at full depth and rewrites column p
-before any row after p is read at full depth (rows are verified in order).
+its slots and nothing past p. The wavefront runs a row at p at depth d only after the rows before it
+wrote their depth-d keys, in earlier R calls (they started earlier, deeper on the diagonal). A row
+at p survives only if every row before it was accepted, so (by induction over positions) those rows
+are AR's, and what a surviving row read at columns < p is what AR's rows wrote there. A rejected
+draft's row at p wrote wrong keys at column p of the depths it reached; no row reads them, since the
+rows after it were dropped with it, and the row that restarts at p overwrites each depth before any
+later row reads it. No rollback.
+The prelude and coda slots follow the same rule:
+- a restarted row's P call rewrites prelude column p before any later row's P call;
+- a draft read of row p (at depth k) writes coda column p; a draft read at p + 1 may see those
+  depth-k keys, which changes only the draft's quality, not exactness;
+- the verify of p reads p at full depth and rewrites column p, in that C call before its read;
+  rows are verified in order, so every full-depth read after p sees p's full-depth keys.
 
 `SharedKVCache` holds the project's cross-recurrence sharing rule, exact but not the paper's.
 """
@@ -52,7 +54,8 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def slot(self, layer, depth):
-        """Layer `layer` (models' numbering: the looped layers first) at depth `depth`."""
+        """Layer `layer` (ids set in models.LoopedLM.__init__: the looped layers first) at depth
+        `depth`; P and C pass depth None, valid since their layers are >= n_core."""
         if layer < self.n_core:
             return depth * self.n_core + layer
         return self.depth_slots + layer - self.n_core
@@ -100,20 +103,29 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md). The
-    paper's: recurrence r reads and writes slot r mod s, s < T slots a layer; lossy, and the
-    wavefront's rows read the keys of positions still in flight where AR's read finished ones, so
-    WFD under it does not give AR's output. This rule: a row at position p >= `prompt` and depth d
-    reads the depth-d keys of the `window` positions p - window < q <= p and, for every older
-    position, the keys of the last depth (T - 1). The prompt's rows read their own depth, as in
-    KVCache: the prefill runs them all at each depth in turn, so none has a last depth yet. Exact,
-    WFD under it giving AR under it: rows start at least k ticks apart, so a position `window` >=
-    ceil(T / k) behind p started k * ceil(T / k) >= T ticks before p and has passed the last depth.
-    But a model other than the full cache's: on the demo (README's run) shared AR agrees with full
-    AR on the first token only. This class keeps every depth, for the rule alone, and saves nothing
-    (1,114,112 bytes there, as KVCache; the engine's full cache, 1,122,304, has a scratch column
-    more). The engine's (engine/kv_cache.py SharedKVCache) keeps per looped layer one final-depth
-    slot and, per depth, a ring of the last max(W, 2W - 2) positions (W = window): 305,152 bytes."""
+    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md).
+
+    The rule: a row at position p >= `prompt` and depth d reads the depth-d keys of the `window`
+    positions p - window < q <= p and, for every older position, the keys of the last depth
+    (T - 1). The prompt's rows read their own depth, as in KVCache: the prefill runs them all at
+    each depth in turn, so none has a last depth yet.
+
+    Why exact (WFD under it gives AR under it): rows start at least k ticks apart, so a position
+    `window` >= ceil(T / k) behind p started k * ceil(T / k) >= T ticks before p and has written
+    its last depth. The paper's rule (recurrence r reads and writes slot r mod s, s < T slots a
+    layer) is lossy and breaks this: in slot r mod s, AR's row finds each earlier position's keys
+    of its last recurrence = r (mod s), as it has finished; a wavefront row finds, for a position
+    still in flight, those of an earlier recurrence.
+    Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
+    full AR on the first token only.
+
+    Memory: this class keeps every depth, for the rule alone, and saves nothing (1,114,112 bytes on
+    the demo's run, as KVCache; the engine's full cache, 1,122,304, has a scratch column more). The
+    engine's (engine/kv_cache.py) keeps per looped layer one final-depth slot and, per depth, a ring
+    of the last max(W, 2W - 2) positions (W = window), position q at entry q mod its size: 305,152
+    bytes. Why 2W - 2: a row restarted at p reads p - W + 1 .. p, while the rows dropped with it
+    wrote up to p + W - 2 (of the at most W rows in flight, the one at p - 1 was just verified);
+    these 2W - 2 positions must not share an entry."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

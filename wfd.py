@@ -3,20 +3,19 @@
 
 A looped LM (models.py) is driven through three calls: P starts a row (a token at a position, at
 depth 0), R takes rows one recurrence deeper, C reads a token out of a row; T is the full depth, k
-the draft's. A row at depth d attends to the depth-d keys of the positions before it (kv.py), so
-rows at different positions and depths share one R call, the wavefront's batched call: its matmuls
-are one batch; its rows all sit at different depths, so attention is one SDPA call per row,
-ceil(T / k) per layer.
+the draft's. A row at depth d attends to the depth-d keys of the positions before it, so rows at
+different positions and depths share one R call, the wavefront's batched call: its matmuls are one
+batch; its rows all sit at different depths (each depth's keys are a slot of their own: kv.py), so
+attention is one SDPA call per row, ceil(T / k) per layer.
 
-A schedule is a generator that never touches the model (the engine runs the same ones): a tick of
-`wavefront` is `yield Advance(rows)` (Loop.advance: the P call of the rows started since the last
-one, then one R call) and `out = yield Read(rows)` (Loop.read: one C call, out its Readouts),
-`Loop.run` making each call and sending its result back. At T = 4, k = 2, from rows a, b at depths
-3, 1, the rows after each R call (row:depth) sit on a diagonal; c's draft is wrong:
+A schedule is a generator that never touches the model (the engine runs the same ones); Loop.run
+makes its calls: a `wavefront` tick is `yield Advance(rows)` (Loop.advance: P of the rows started
+since the last one, one R call) and `out = yield Read(rows)` (Loop.read: one C call, its Readouts).
+At T = 4, k = 2, from rows a, b at depths 3, 1, row:depth after each R call; c's draft is wrong:
 
-    R call 1  a:4 b:2   C reads a (b's draft right: commit it) and b (draft c)
+    R call 1  a:4 b:2   C reads a (b's draft right: commit a's read, = b's token) and b (draft c)
     R call 2  b:3 c:1   (c's P call opens the call: seq.start only noted c)
-    R call 3  b:4 c:2   C reads b (c's draft wrong: commit b's read, drop c, no draft) and c
+    R call 3  b:4 c:2   C reads b (c's draft wrong: commit b's read, drop c) and c (read discarded)
     R call 4  c:1       c restarted from depth 0 with b's read, AR's token
     R call 5  c:2       C reads c (draft d)
 """
@@ -37,7 +36,7 @@ class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
     pos: int                 # the position it computes (its token sits there)
     token: int               # the token it reads in: committed, or a draft
-    depth: int = 0           # recurrences done; the executor raises it with each R call
+    depth: int = 0           # R calls done, 0..T; the R call from d uses KV slot d: T has none
 
 
 class Advance(NamedTuple):
@@ -70,7 +69,8 @@ class Sequence:
                  on_token=None, keep_logits=False):
         self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
         self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
-        # the last token is never fed back, so no row computes a position past this one
+        # the last row's position: prompt at 0..len-1, new tokens at len..len+N-1, the N-th
+        # never fed back (no row computes a position past it)
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
@@ -138,20 +138,20 @@ def wavefront(seq, k):
         # pos + 1); the row at last_pos drafts nothing (a row past it computes no kept token)
         drafting = (newest.depth == k and not (verifying and newest is oldest)
                     and newest.pos < seq.last_pos)
-        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1])
+        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1]): the
+        # newest row is read before the verify decides, so a rejection discards that read (below)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
-            target = out[0]
+            target = out[0]  # AR's token after the oldest row: the next row's draft must be it
             rows.pop(0)
             if rows and not seq.verify(rows[0], target):
-                # the correction: the wrong draft and every row after it are dropped, the newest
-                # (no draft then) too; their KV lies past every reader (kv.py); a restart below
+                # the correction: drop the draft's row and all after it (kv.py: no rollback)
                 rows, drafting = [], False
             if seq.commit(target):
                 return
             if not rows:  # rejected, or no draft was made (k = T): the next position, depth 0
-                rows.append(seq.start(oldest.pos + 1, seq.tokens[-1]))
+                rows.append(seq.start(oldest.pos + 1, target.token))
         if drafting:
             rows.append(seq.start(newest.pos + 1, seq.draft(newest, out[-1])))
 
@@ -182,7 +182,7 @@ def draft_then_verify(seq, k, draft_len):
 
 class Loop:
     """Runs one sequence's schedule on the model, call by call, with greedy reads; state: row ->
-    (s, e) (e: what P made for it), for as long as the schedule holds the row."""
+    (s, e) (e: what P made for it; P returns (e, s)), for as long as the schedule holds the row."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
@@ -203,9 +203,8 @@ class Loop:
         return seq.commit(Readout(int(logits.argmax()), logits))
 
     def advance(self, seq, rows):
-        """The P call of the rows started since the last R call (seq.starting; why here:
-        Sequence.start), then one R call over `rows`, each at its own depth, stacked into one batch;
-        each row's depth goes up by one."""
+        """P of the rows started since the last R call (why here: Sequence.start), then one R call
+        over `rows`, each at its own depth, in one batch; each row's depth goes up by one."""
         if seq.starting:
             e, s = self.model.P(self.tensor([r.token for r in seq.starting]),
                                 self.tensor([r.pos for r in seq.starting]), self.cache)
@@ -271,6 +270,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
     window = wave if window is None else window
     if kv not in ("full", "shared"):
         raise ValueError(f"kv must be 'full' or 'shared', not {kv!r}")
+    # DtV's verify pass writes final-depth KV of positions it may reject, which rows would read
     if kv == "shared" and (method == "dtv" or window < (wave if method == "wfd" else 1)):
         raise ValueError("kv='shared' is exact for AR, and for WFD with a window of at least "
                          f"ceil(T / k) = {wave} positions (AR: 1): not {method}, window {window}")

@@ -24,7 +24,7 @@ def test_the_reading_path_names_the_files_lengths_and_ranges():
                                            "layers/transformer.py"}
     for name, n in named:
         assert int(n) == len(lines_of(name)), name
-    total = re.search(r"three files, ([\d,]+) lines with `layers/`", text).group(1)
+    total = re.search(r"three files and `layers/`, ([\d,]+) lines;", text).group(1)
     assert int(total.replace(",", "")) == sum(len(lines_of(p)) for p in path)
     for name in ("wfd.py", "kv.py", "models.py"):
         end = int(re.search(rf"\| `{name}` \(\d+(?: lines)?\) \| 1-(\d+):", text).group(1))
