@@ -9,8 +9,8 @@ a static buffer written by absolute position:
 
     slot 0 .. T*L-1             looped layer j at depth d: d * L + j (depth = R calls done; the
                                 R call from d to d + 1 uses slot d, so depth T has none)
-    slot T*L .. T*L+P-1         the P prelude layers
-    slot T*L+P ..               the coda layers
+    slot T*L .. T*L+Lp-1        the Lp prelude layers
+    slot T*L+Lp ..              the coda layers
     column p                    position p's key, written by the row at position p
 
 Why reading this cache gives every schedule AR's result. A row at position p reads columns 0..p of
@@ -54,15 +54,15 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def slot(self, layer, depth):
-        """Layer `layer` (ids set in models.LoopedLM.__init__: the looped layers first) at depth
-        `depth`; P and C pass depth None, valid since their layers are >= n_core."""
+        """The slot of layer id `layer` at `depth`. Layer ids: the looped layers 0..L-1 (L =
+        n_core), then the prelude's, then the coda's; P and C pass depth None (ids >= L)."""
         if layer < self.n_core:
             return depth * self.n_core + layer
         return self.depth_slots + layer - self.n_core
 
     def prepare(self, call):
         """Once per call (models.LoopedLM._layers; call: a models.Call, the rows' positions and
-        depths: one per row, one for all, or None): its rows grouped by depth, the host reading
+        depths: one per row (R), or None (P, C)): its rows grouped by depth, the host reading
         their positions and depths once."""
         pos = call.pos.tolist()
         depth = call.depth.tolist() if torch.is_tensor(call.depth) else [call.depth] * len(pos)
@@ -103,7 +103,8 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md).
+    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md). This
+    class shows the rule and saves no memory; the engine's ring saves it (Memory, below).
 
     The rule: a row at position p >= `prompt` and depth d reads the depth-d keys of the `window`
     positions p - window < q <= p and, for every older position, the keys of the last depth
@@ -119,13 +120,13 @@ class SharedKVCache(KVCache):
     Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
     full AR on the first token only.
 
-    Memory: this class keeps every depth, for the rule alone, and saves nothing (1,114,112 bytes on
-    the demo's run, as KVCache; the engine's full cache, 1,122,304, has a scratch column more). The
-    engine's (engine/kv_cache.py) keeps per looped layer one final-depth slot and, per depth, a ring
-    of the last max(W, 2W - 2) positions (W = window), position q at entry q mod its size: 305,152
-    bytes. Why 2W - 2: a row restarted at p reads p - W + 1 .. p, while the rows dropped with it
-    wrote up to p + W - 2 (of the at most W rows in flight, the one at p - 1 was just verified);
-    these 2W - 2 positions must not share an entry."""
+    Memory: this class keeps every depth (1,114,112 bytes on the demo's run, as KVCache; the
+    engine's full cache, 1,122,304, has a scratch column more). The engine's ring
+    (engine/kv_cache.py, SharedKVCache) keeps per looped layer one final-depth slot and, per depth,
+    the last max(W, 2W - 2) positions (W = window), position q at entry `q % self.ring` (its
+    `prepare`): 305,152 bytes. Why 2W - 2: a row restarted at p reads p - W + 1 .. p, while the
+    rows dropped with it wrote up to p + W - 2 (of the at most W rows in flight, the one at p - 1
+    was just verified); these 2W - 2 positions must not share an entry."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)
@@ -139,6 +140,8 @@ class SharedKVCache(KVCache):
         cols = torch.arange(n, device=g.pos.device)
         # the window's lower edge: a prompt row's is -1 (it reads its own depth everywhere)
         edge = torch.where(g.pos >= self.prompt, g.pos - self.window, -1)[:, None]
+        # keys [last-depth slot | own-depth slot]: a row sees the first's columns <= edge and the
+        # second's edge < column <= p
         seen = torch.cat([cols <= edge, (cols > edge) & (cols <= g.pos[:, None])], dim=1)
         keys = torch.cat([self.k[last, :, :n], self.k[own, :, :n]], dim=1)
         values = torch.cat([self.v[last, :, :n], self.v[own, :, :n]], dim=1)

@@ -1,7 +1,7 @@
 """Five families of looped LMs, driven through three calls (their configs and checkpoints are read
 in formats/, their transformer layer is layers/transformer.py):
 
-    P(ids, pos)          -> (e, s0)  embed the tokens (and run the prelude); the initial state
+    P(ids, pos)          -> (s0, e)  the initial state; e, the tokens embedded (through the prelude)
     R(s, e, pos, depth)  -> s        one recurrence of the weight-shared block, for rows that may
                                      sit at different positions and different depths
     C(s, e, pos)         -> logits   read a state out
@@ -187,11 +187,12 @@ class LoopedLM(nn.Module):
     # -- the three calls --------------------------------------------------------------------------
     # pos: int64 [N] on the model's device; depth: int64 [N], each row's, or an int for all (R);
     # cache: a kv.KVCache, or None for a causal pass over 0..N-1. The bodies (p_body, r_body,
-    # c_state and head) hold the device work, which the engine calls with Calls of its own.
+    # c_state and head: the device work, which the engine calls with Calls of its own), `inject`,
+    # the value embeddings and `rope` are the families' plumbing: a first read skips to `_layers`.
 
     def P(self, ids, pos, cache=None):
-        """Start rows: (e, s0), their e and initial state (e None where R reads no e: Ouro,
-        LoopFormer); wfd.Loop keeps them per row as (s, e), the order R and C take."""
+        """Start rows: (s0, e), their initial state and e (e None where R reads no e: Ouro,
+        LoopFormer), in the order wfd.Loop keeps them per row and R and C take."""
         return self.p_body(ids, Call(pos, None, cache))
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):
@@ -211,20 +212,21 @@ class LoopedLM(nn.Module):
         return self.head(self.c_state(s, e, Call(pos, None, cache)))
 
     def p_body(self, ids, call):
-        """(e, s0) of the rows: the prelude's output (and the value embeddings), the initial
-        state; Ouro and LoopFormer: (None, the embedding)."""
+        """(s0, e) of the rows: the initial state, the prelude's output (and the value
+        embeddings); Ouro and LoopFormer: (the embedding, None)."""
         x = F.embedding(ids, self.embed.weight) * self.args.embed_scale  # [N, D]
         if self.pos_embed is not None:  # LoopFormer: learned positions
             x = x + self.pos_embed(call.pos)
         if not self.args.inject:
-            return None, x
+            return x, None
         ve = self.value_embeddings(ids)
         x = self._layers(self.prelude, x, call, ve)
         if self.prelude_norm is not None:
             x = rms_norm(x, self.prelude_norm, self.args.norm_eps)
         e = self.adapter.input(x) if self.args.injection == "diagonal" else x
         e = e if ve is None else torch.cat([e, ve], dim=-1)
-        return e, torch.zeros_like(x) if self.state_init == "zero" else self.initial_state(call.pos)
+        s0 = torch.zeros_like(x) if self.state_init == "zero" else self.initial_state(call.pos)
+        return s0, e
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
@@ -275,11 +277,12 @@ class LoopedLM(nn.Module):
         # RoPE rows, KV columns and masks: built once per call, not once per layer
         cos, sin = self.rope(call.pos)
         cache = call.cache
-        step = None if cache is None else cache.prepare(call)
+        prepared = None if cache is None else cache.prepare(call)  # kv.py: the rows by depth
         for j, blk in enumerate(blocks):
             # the block attends through a function of (q, k, v), since it does not know the cache:
             # this one writes k, v into the layer's slots and reads what the rows see (kv.py)
-            attend = causal_attention if step is None else partial(cache.attend, step, blk.layer_id)
+            attend = (causal_attention if prepared is None
+                      else partial(cache.attend, prepared, blk.layer_id))
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's
             # arithmetic at a small width
             x = blk.forward(x, cos, sin, attend, ve, None if mod is None else mod[..., j, :])
@@ -329,7 +332,7 @@ class LoopedLM(nn.Module):
         if len(ids) > context:
             raise ValueError(f"{len(ids)} positions exceed the model's context of {context}")
         pos = torch.arange(len(ids), device=self.device)
-        e, s = self.P(ids, pos)
+        s, e = self.P(ids, pos)
         if state is not None:
             if not self.args.inject:
                 raise ValueError("an explicit initial state is only defined for Huginn and Parcae")

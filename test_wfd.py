@@ -154,7 +154,7 @@ class CallLog:
 
     def P(self, tokens, pos, cache):
         self.calls.append(("P", pos.tolist()))
-        return None, torch.zeros(len(pos), 1)
+        return torch.zeros(len(pos), 1), None
 
     def R(self, s, e, pos, depth, cache):
         self.calls.append(("R", pos.tolist(), depth.tolist() if torch.is_tensor(depth) else depth))
@@ -273,7 +273,7 @@ def shared_ar_by_the_rule(model, prompt, window):
     def run():
         for p in range(n + N_NEW - 1):
             pos = torch.tensor([p], device=model.device)
-            e, s = model.P(torch.tensor(ids[p:p + 1], device=model.device), pos, rule)
+            s, e = model.P(torch.tensor(ids[p:p + 1], device=model.device), pos, rule)
             for d in range(model.num_steps):
                 s = model.R(s, e, pos, d, rule)
             logits = model.C(s, e, pos, rule)[0]

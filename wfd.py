@@ -13,11 +13,11 @@ makes its calls: a `wavefront` tick is `yield Advance(rows)` (Loop.advance: P of
 since the last one, one R call) and `out = yield Read(rows)` (Loop.read: one C call, its Readouts).
 At T = 4, k = 2, from rows a, b at depths 3, 1, row:depth after each R call; c's draft is wrong:
 
-    R call 1  a:4 b:2   C reads a (b's draft right: commit a's read, = b's token) and b (draft c)
+    R call 1  a:4 b:2   C reads a (b's token, a's draft, was right: commit a's read) and b (draft c)
     R call 2  b:3 c:1   (c's P call opens the call: seq.start only noted c)
-    R call 3  b:4 c:2   C reads b (c's draft wrong: commit b's read, drop c) and c (read discarded)
-    R call 4  c:1       c restarted from depth 0 with b's read, AR's token
-    R call 5  c:2       C reads c (draft d)
+    R call 3  b:4 c:2   C reads b and c (c's token, b's draft, was wrong: commit b's read, drop c)
+    R call 4  c':1      c' restarts at c's position from depth 0 with b's read; c's read unused
+    R call 5  c':2      C reads c' (draft d)
 """
 import numbers
 import time
@@ -31,7 +31,7 @@ import torch
 from kv import KVCache, SharedKVCache
 
 
-@dataclass(eq=False)
+@dataclass(eq=False)  # identity: Loop.state is weak-keyed, so dropped rows free their state
 class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
     pos: int                 # the position it computes (its token sits there)
@@ -134,17 +134,17 @@ def wavefront(seq, k):
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
-        # edge cases: with k = T the one row is verified, not drafted from (the restart below starts
-        # pos + 1); the row at last_pos drafts nothing (a row past it computes no kept token)
-        drafting = (newest.depth == k and not (verifying and newest is oldest)
-                    and newest.pos < seq.last_pos)
+        reached_k = newest.depth == k
+        sole_row_verified = verifying and newest is oldest  # k = T: the row after it starts below
+        at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
+        drafting = reached_k and not sole_row_verified and not at_last
         # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1]): the
         # newest row is read before the verify decides, so a rejection discards that read (below)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
             target = out[0]  # AR's token after the oldest row: the next row's draft must be it
-            rows.pop(0)
+            rows.pop(0)  # after the pop, rows[0] is always a row started from a draft
             if rows and not seq.verify(rows[0], target):
                 # the correction: drop the draft's row and all after it (kv.py: no rollback)
                 rows, drafting = [], False
@@ -181,8 +181,8 @@ def draft_then_verify(seq, k, draft_len):
 
 
 class Loop:
-    """Runs one sequence's schedule on the model, call by call, with greedy reads; state: row ->
-    (s, e) (e: what P made for it; P returns (e, s)), for as long as the schedule holds the row."""
+    """Runs one sequence's schedule on the model, call by call, with greedy reads. state: row ->
+    (s, e) while the schedule holds it: s its state at its depth, e what P made of its token."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
@@ -193,7 +193,7 @@ class Loop:
     def prefill(self, seq):
         """The prompt at full depth, every position in each call; commits the first new token."""
         pos = self.tensor(range(len(seq.prompt)))
-        e, s = self.model.P(self.tensor(seq.prompt), pos, self.cache)
+        s, e = self.model.P(self.tensor(seq.prompt), pos, self.cache)
         for d in range(seq.num_steps):
             s = self.model.R(s, e, pos, d, self.cache)
         seq.stats["r_calls"] += seq.num_steps
@@ -206,7 +206,7 @@ class Loop:
         """P of the rows started since the last R call (why here: Sequence.start), then one R call
         over `rows`, each at its own depth, in one batch; each row's depth goes up by one."""
         if seq.starting:
-            e, s = self.model.P(self.tensor([r.token for r in seq.starting]),
+            s, e = self.model.P(self.tensor([r.token for r in seq.starting]),
                                 self.tensor([r.pos for r in seq.starting]), self.cache)
             for i, row in enumerate(seq.starting):
                 self.state[row] = (s[i], None if e is None else e[i])

@@ -79,7 +79,7 @@ def depth_losses(model, x, y, shallow=None):
     before the last are read out on the first `shallow` sequences of the batch only (default all):
     the head costs as much as a layer here, and a draft depth needs less signal than full depth."""
     pos = torch.arange(x.shape[-1])
-    _, s = model.P(x, pos)
+    s, _ = model.P(x, pos)
     losses = []
     for d in range(model.num_steps):
         s = model.R(s, None, pos, d)

@@ -98,7 +98,7 @@ def recur_body(model, s, e, call):
 def start_body(model, ids, call, s, e):
     """P, and its rows' e and s0 into their lanes (pos >= 0) of the lanes' s and e, in one function,
     so that compiled decoding compiles them into one graph: the new (s, e)."""
-    e_new, s_new = model.p_body(ids, call)
+    s_new, e_new = model.p_body(ids, call)
     if call.busy:  # every lane starts a row
         return s_new, e_new
     started = call.lanes[:, None] >= 0
@@ -218,7 +218,7 @@ class Decoder:
         self.keys[slot * self.width:(slot + 1) * self.width].fill_(seq.key)
         n, cache = len(seq.prompt), self.cache.slot(slot)
         call = to_device(self.model, torch.arange(n), None, cache)  # span 0: causal, no blocks
-        e, s = self.model.p_body(torch.tensor(seq.prompt, device=self.model.device), call)
+        s, e = self.model.p_body(torch.tensor(seq.prompt, device=self.model.device), call)
         for d in range(self.num_steps):
             s = recur(self.model, s, e, call._replace(depth=d))
         seq.stats["r_calls"] += self.num_steps

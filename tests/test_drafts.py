@@ -211,7 +211,7 @@ class PlainForward:
             if key[:n] == tokens:
                 return None if e is None else e[:n], [s[:n] for s in states]
         ids, pos = torch.tensor(tokens), torch.arange(n)
-        e, s = self.model.P(ids, pos)
+        s, e = self.model.P(ids, pos)
         states = [s]
         for d in range(self.T):  # LoopFormer's clock: the schedule's T
             states.append(self.model.R(states[-1], e, pos, d, num_steps=self.T))

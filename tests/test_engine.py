@@ -40,7 +40,7 @@ def cached_greedy(model, prompt, n_new, num_steps):
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     out_logits, tokens = [], []
     for _ in range(n_new):
-        e, s = model.P(ids, pos, cache)
+        s, e = model.P(ids, pos, cache)
         for d in range(num_steps):
             s = model.R(s, e, pos, d, cache)
         logits = model.C(s, e, pos, cache)[-1]
@@ -70,7 +70,7 @@ def recurrence_states(model, ids, steps, s0=None):
     """Per recurrence (the core's input, the raw state after it) through the P / R calls,
     without cache."""
     pos = torch.arange(len(ids))
-    e, s = model.P(torch.tensor(ids), pos)
+    s, e = model.P(torch.tensor(ids), pos)
     s = s if s0 is None else s0
     inputs, states = [], []
     for d in range(steps):

@@ -69,7 +69,7 @@ def run_schedule(model, ids, steps):
     """LoopFormer's forward over any list of step sizes (t the sum of the earlier ones): the logits
     after each iteration. R serves the full-depth schedule only; this reads the blocks directly."""
     pos = torch.arange(len(ids))
-    _, x = model.P(torch.tensor(ids), pos)
+    x, _ = model.P(torch.tensor(ids), pos)
     t, out = torch.zeros(1), []
     for dt in steps:
         mod = model.modulation(t, torch.tensor([dt]))[0]  # [L, 4D]
@@ -85,7 +85,7 @@ def test_loopformer_forward_matches_golden(loopformer):
     tol = dict(atol=1e-4)  # README 4: states, conditioning, modulation allclose; logits max abs
     assert m.num_steps == T == 8 and m.eos_token_ids == ()  # no tokenizer here: no stop id
     pos = torch.arange(len(ids))
-    _, x0 = m.P(torch.tensor(ids), pos)
+    x0, _ = m.P(torch.tensor(ids), pos)
     assert close(x0, g["embed"], **tol)
     t, dt = clock_times(m, T)
     assert close(m.clock.time(m.clock.features(t)), g["time_emb_per_step"], **tol)
@@ -129,7 +129,7 @@ def test_raven_forward_matches_golden(raven):
     for s0, states, logits in [
             (None, "state_per_step", "logits_per_step"),
             (g["init_state_random"], "state_per_step_random_init", "logits_per_step_random_init")]:
-        e, s = m.P(torch.tensor(ids), pos)
+        s, e = m.P(torch.tensor(ids), pos)
         s = s if s0 is None else s0
         inputs, ours = [], []
         for d in range(4):
@@ -148,7 +148,7 @@ def test_raven_forward_matches_golden(raven):
     assert close(m.logits(ids), g["logits"], **tol)  # the default depth: mean_recurrence
     assert close(m.logits(ids), g["logits_default_steps"], **tol)
     assert torch.equal(m.logits(ids, num_steps=0), g["logits_steps0"])  # 0: no ln_f before the coda
-    e, s = m.P(torch.tensor(ids), pos)
+    s, e = m.P(torch.tensor(ids), pos)
     for d in range(4):
         s = m.R(s, e, pos, d)
     assert close(s, g["latent_final"], **tol)
@@ -618,7 +618,7 @@ def depth_logits(model, ids, k):
     """The logits after k recurrences of the model's full-depth schedule: a draft's read at depth k
     (LoopFormer's clock of T iterations; model.logits(ids, k) runs the model at depth k)."""
     pos = torch.arange(len(ids))
-    e, s = model.P(torch.tensor(ids), pos)
+    s, e = model.P(torch.tensor(ids), pos)
     for d in range(k):
         s = model.R(s, e, pos, d)
     return model.C(s, e, pos)

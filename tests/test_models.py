@@ -158,7 +158,7 @@ def test_ouro_forward_matches_golden(ouro):
     meta, g = golden("ouro_A")
     ids, tol = meta["prompt_ids"], dict(atol=1e-4)
     pos = torch.arange(len(ids))
-    _, h = ouro.P(torch.tensor(ids), pos)
+    h, _ = ouro.P(torch.tensor(ids), pos)
     layer0 = ouro.core[0](h, *ouro.rope(pos), causal_attention)
     assert close(layer0, g["layer0_step1_out"], **tol)
     for t in range(4):

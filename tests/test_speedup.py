@@ -110,7 +110,7 @@ def plain_reads(model, prompt, tokens, temperature):
     pos = torch.arange(len(ids))
     cache, sampling, reads = KVCache(model, len(ids), T), Sampling(temperature), {}
     with torch.no_grad():
-        e, s = model.P(torch.tensor(ids), pos, cache)
+        s, e = model.P(torch.tensor(ids), pos, cache)
         for d in range(T):
             s = model.R(s, e, pos, d, cache)
             reads[d + 1] = choose(model.C(s, e, pos, cache), pos + 1, sampling).tolist()
