@@ -23,10 +23,11 @@ rows after it were dropped with it, and the row that restarts at p overwrites ea
 later row reads it. No rollback.
 The prelude and coda slots follow the same rule:
 - a restarted row's P call rewrites prelude column p before any later row's P call;
-- a draft read of row p (at depth k) writes coda column p; a draft read at p + 1 may see those
-  depth-k keys, which changes only the draft's quality, not exactness;
-- the verify of p reads p at full depth and rewrites column p, in that C call before its read;
-  rows are verified in order, so every full-depth read after p sees p's full-depth keys.
+- coda column p over time (rows are verified in order):
+    the draft read of p        writes p's depth-k coda keys there
+    a draft read of p + 1      may read them: only the draft's quality changes, not exactness
+    the verify of p            rewrites them at full depth (in its C call, before its read), before
+                               any full-depth read after p
 
 `SharedKVCache` holds the project's cross-recurrence sharing rule, exact but not the paper's.
 """
@@ -77,10 +78,10 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions, then
         attend each row (q [N, H, hd]) to its slot's columns 0..pos: every row of a group in one
         SDPA call. Every write comes before any read, so rows of one call see each other's keys
-        (draft-then-verify's verify pass, the prefill). In a wavefront R call the rows all sit at
-        different depths, so each group is one row: attention is one SDPA call per row, ceil(T / k)
-        per layer; only the matmuls are one batch. (The engine attends all rows of a call at once,
-        each over its own depth's keys: engine/kv_cache.py.)"""
+        (draft-then-verify's verify pass, the prefill). A wavefront R call batches its matmuls
+        over all rows, but attention runs per depth: its rows all sit at different depths, so each
+        group is one row, one SDPA call per row, ceil(T / k) per layer. (The engine attends all
+        rows of a call at once, each over its own depth's keys: engine/kv_cache.py.)"""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -114,19 +115,18 @@ class SharedKVCache(KVCache):
     Why exact (WFD under it gives AR under it): rows start at least k ticks apart, so a position
     `window` >= ceil(T / k) behind p started k * ceil(T / k) >= T ticks before p and has written
     its last depth. The paper's rule (recurrence r reads and writes slot r mod s, s < T slots a
-    layer) is lossy and breaks this: in slot r mod s, AR's row finds each earlier position's keys
-    of its last recurrence = r (mod s), as it has finished; a wavefront row finds, for a position
-    still in flight, those of an earlier recurrence.
+    layer) is lossy and breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
+        AR:        p - 1 has finished: slot 0 holds its recurrence-2 keys (its last one = 0 mod 2)
+        wavefront: p - 1 runs recurrence 1 in the same R call: slot 0 holds its recurrence-0 keys
     Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
     full AR on the first token only.
 
-    Memory: this class keeps every depth (1,114,112 bytes on the demo's run, as KVCache; the
-    engine's full cache, 1,122,304, has a scratch column more). The engine's ring
-    (engine/kv_cache.py, SharedKVCache) keeps per looped layer one final-depth slot and, per depth,
-    the last max(W, 2W - 2) positions (W = window), position q at entry `q % self.ring` (its
-    `prepare`): 305,152 bytes. Why 2W - 2: a row restarted at p reads p - W + 1 .. p, while the
-    rows dropped with it wrote up to p + W - 2 (of the at most W rows in flight, the one at p - 1
-    was just verified); these 2W - 2 positions must not share an entry."""
+    Memory: this class keeps every depth, as KVCache: slots x kv heads x capacity x head dim x 2
+    (k and v) x bytes an element; on the demo's run 8 x 2 x 136 x 64 x 2 x 4 = 1,114,112 bytes.
+    The engine's ring (engine/kv_cache.py, SharedKVCache) keeps per looped layer one final-depth
+    slot and, per depth, the last max(W, 2W - 2) positions (W = window), position q at entry
+    `q % self.ring` (its `prepare`). 2W - 2: a restarted row at p reads back to p - W + 1 while the
+    dropped rows wrote up to p + W - 2 (docs/shared-kv.md)."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

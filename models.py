@@ -24,8 +24,9 @@ token's value embeddings (tables looked up by token id that some blocks mix into
 recurrence).
 
 A row is one token position at one depth (completed recurrences). Looped layer j applied at depth
-d reads and writes KV slot (d, j), so rows at different depths can share one batched R call: the
-matmuls see a plain [rows, D] batch, and only attention cares which depth a row is at (kv.py).
+d reads and writes KV slot (d, j), so rows at different depths can share one R call (matmuls one
+batch, attention per depth: kv.KVCache.attend): only attention (and LoopFormer's clock) cares which
+depth a row is at.
 """
 import math
 from dataclasses import dataclass
@@ -196,10 +197,9 @@ class LoopedLM(nn.Module):
         return self.p_body(ids, Call(pos, None, cache))
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):
-        """One recurrence for every row, each at its own depth: the matmuls see a plain [N, D]
-        batch; only attention reads the depth (the row's KV slot). num_steps: the full depth T of
-        the schedule the rows follow (default: the cache's, else the model's), on which
-        LoopFormer's clock runs."""
+        """One recurrence for every row, each at its own depth (matmuls one batch, attention per
+        depth: kv.KVCache.attend). num_steps: the full depth T of the schedule the rows follow
+        (default: the cache's, else the model's), on which LoopFormer's clock runs."""
         clock = None
         if self.clock is not None:
             clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))

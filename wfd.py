@@ -3,17 +3,16 @@
 
 A looped LM (models.py) is driven through three calls: P starts a row (a token at a position, at
 depth 0), R takes rows one recurrence deeper, C reads a token out of a row; T is the full depth, k
-the draft's. A row at depth d attends to the depth-d keys of the positions before it, so rows at
-different positions and depths share one R call, the wavefront's batched call: its matmuls are one
-batch; its rows all sit at different depths (each depth's keys are a slot of their own: kv.py), so
-attention is one SDPA call per row, ceil(T / k) per layer.
+the draft's. A row at depth d attends to earlier positions' depth-d keys, so rows at different
+positions and depths share one R call (matmuls one batch, attention per depth: kv.KVCache.attend).
 
 A schedule is a generator that never touches the model (the engine runs the same ones); Loop.run
 makes its calls: a `wavefront` tick is `yield Advance(rows)` (Loop.advance: P of the rows started
 since the last one, one R call) and `out = yield Read(rows)` (Loop.read: one C call, its Readouts).
 At T = 4, k = 2, from rows a, b at depths 3, 1, row:depth after each R call; c's draft is wrong:
 
-    R call 1  a:4 b:2   C reads a (b's token, a's draft, was right: commit a's read) and b (draft c)
+    R call 1  a:4 b:2   C reads a (b's token, drafted from a at depth k, equals a's full-depth
+                        read: commit it) and b (draft c)
     R call 2  b:3 c:1   (c's P call opens the call: seq.start only noted c)
     R call 3  b:4 c:2   C reads b and c (c's token, b's draft, was wrong: commit b's read, drop c)
     R call 4  c':1      c' restarts at c's position from depth 0 with b's read; c's read unused
@@ -124,22 +123,22 @@ def autoregressive(seq):
 
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that verifies the oldest row
-    (at depth T) and drafts from the newest (at depth k). A draft starts a row at the next position
-    at once, so a row starts every k ticks and the rows sit on a diagonal over (position, depth), at
-    depths T, T - k, T - 2k, ... (k, 2k, ..., T when k divides T), ceil(T / k) of them. An accepted
-    draft's row commits k ticks after the row before it; a rejected one restarts from depth 0 and
-    commits T ticks after: a*k + (1 - a)*T ticks a token at acceptance a."""
+    (at depth T) and drafts from the newest (at depth k), which starts the next position's row: a
+    row starts every k ticks, on a diagonal, at depths after the R call T, T - k, T - 2k, ...
+    (during it: T - 1, T - 1 - k, ...), ceil(T / k) rows (T = 4, k = 3: 4 and 1). A row commits
+    k ticks after the row before it if accepted (rate a), else T ticks: a*k + (1-a)*T a token."""
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
         reached_k = newest.depth == k
-        sole_row_verified = verifying and newest is oldest  # k = T: the row after it starts below
+        # the verified row is also the newest (with reached_k: k = T): its full-depth read gives
+        # the next token, so no draft; the next row starts below
+        newest_verified = verifying and newest is oldest
         at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
-        drafting = reached_k and not sole_row_verified and not at_last
-        # one C call for both reads, the verify's first (out[0]), the draft's last (out[-1]): the
-        # newest row is read before the verify decides, so a rejection discards that read (below)
+        drafting = reached_k and not newest_verified and not at_last
+        # one C call: out[0] the verify's read, out[-1] the draft's, discarded if the verify rejects
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
@@ -181,8 +180,9 @@ def draft_then_verify(seq, k, draft_len):
 
 
 class Loop:
-    """Runs one sequence's schedule on the model, call by call, with greedy reads. state: row ->
-    (s, e) while the schedule holds it: s its state at its depth, e what P made of its token."""
+    """Runs one sequence's schedule on the model, call by call, reading greedily. state: row ->
+    (s, e): s its state at its depth; e what R re-reads of the token each recurrence (made by P:
+    Huginn's prelude output; None for Ouro, LoopFormer)."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
