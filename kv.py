@@ -29,8 +29,6 @@ The prelude and coda slots follow the same rule:
     a draft read of p + 1      may read them: only the draft's quality changes, not exactness
     the verify of p            rewrites them at full depth (in its C call, before its read), before
                                any full-depth read after p
-
-`SharedKVCache` holds the project's cross-recurrence sharing rule, exact but not the paper's.
 """
 from typing import NamedTuple
 
@@ -113,9 +111,9 @@ class SharedKVCache(KVCache):
     each depth in turn, so none has a last depth yet.
 
     Why exact (WFD under it gives AR under it; the proof: docs/shared-kv.md): each key a row at p
-    reads is already written as AR writes it. The window's are at p's depth d, which the positions
-    before p passed in earlier R calls. The older ones are finished: rows start k or more ticks
-    apart and finish T ticks after they start, so those unfinished when p starts lie at most
+    reads is already written, as AR writes it. The window's keys are at p's own depth d, which the
+    positions before p reached in earlier R calls. The older ones are finished: rows start k or more
+    ticks apart and finish T ticks after they start, so those unfinished when p starts lie at most
     ceil(T / k) - 1 positions before p, inside a window >= ceil(T / k) (generate checks it). The
     paper's rule (recurrence r reads and writes slot r mod s, s < T slots a layer) is lossy and
     breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
@@ -124,13 +122,13 @@ class SharedKVCache(KVCache):
     Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
     full AR on the first token only.
 
-    Memory: this class keeps every depth, as KVCache. A column of a slot is kv heads x head dim x
-    2 (k and v) x bytes an element: 2 x 64 x 2 x 4 = 1,024 bytes on the demo, whose run holds 8
-    slots x 136 columns (its capacity: 9 prompt tokens + 128 - 1) x 1,024 = 1,114,112 bytes. The
+    Memory: this class keeps every depth, as KVCache. A column of a slot is kv heads x head dim x 2
+    (k and v) x bytes an element: 2 x 64 x 2 x 4 = 1,024 bytes on the demo, whose run holds 8 slots
+    (4 depths x 2 layers) x 136 columns (9 prompt tokens + 128 - 1) x 1,024 = 1,114,112 bytes. The
     engine's caches (engine/kv_cache.py) add a scratch column: full, 8 x 137 x 1,024 = 1,122,304;
-    its SharedKVCache keeps per looped layer one final-depth slot and, per depth, a ring of the
-    last max(W, 2W - 2) positions (W = window; q at entry `q % self.ring`) and a scratch entry: at
-    W = 2, 2 layers x (137 + 4 depths x 3) x 1,024 = 305,152 bytes (2W - 2: docs/shared-kv.md)."""
+    its SharedKVCache keeps per looped layer one final-depth slot and, per depth, a ring of the last
+    max(W, 2W - 2) positions (W = window; q at entry `q % self.ring`; docs/shared-kv.md) and a
+    scratch entry: at W = 2, 2 layers x (137 + 4 depths x 3) x 1,024 = 305,152 bytes."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

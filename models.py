@@ -22,10 +22,6 @@ e holds what a row's recurrences and read need of its token besides the state, m
 kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's injection term and the
 token's value embeddings (tables looked up by token id that some blocks mix into v, in every
 recurrence).
-
-A row is one token position at one depth (completed recurrences). Looped layer j applied at depth
-d reads and writes KV slot (d, j), so rows at different depths can share one R call: only attention
-(kv.KVCache.attend) and LoopFormer's clock read a row's depth.
 """
 import math
 from dataclasses import dataclass
@@ -196,9 +192,10 @@ class LoopedLM(nn.Module):
         return self.p_body(ids, Call(pos, None, cache))
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):
-        """One recurrence for every row, each at its own depth: r_body runs the core's blocks over
-        the [rows, D] batch through `_layers`. num_steps: the full depth T of the schedule the rows
-        follow (default: the cache's, else the model's), on which LoopFormer's clock runs."""
+        """One recurrence for every row, each at its own depth (which only attention and
+        LoopFormer's clock read): r_body runs the core's blocks over the [rows, D] batch through
+        `_layers`. num_steps: the full depth T of the schedule the rows follow (default: the
+        cache's, else the model's), on which LoopFormer's clock runs."""
         clock = None
         if self.clock is not None:
             clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))
