@@ -1,9 +1,10 @@
 """The KV cache of a looped LM, one slot per (depth, layer), and the attention that reads it.
 
 A looped layer j runs at every depth d, and a row at depth d attends to the depth-d keys of the
-positions before it, so each (d, j) has a slot of its own; a prelude layer (run by a position's P
-call) or coda layer (run by each C call of it: a draft read, the verify) has one slot. Every slot is
-a static buffer written by absolute position:
+positions before it, so each (d, j) has a slot of its own. The prelude's and the coda's layers are
+attention layers too, one slot each: a P call writes its position's prelude keys, and a C call (a
+draft read or the verify) writes its position's coda keys and attends over earlier positions' coda
+keys. Every slot is a static buffer written by absolute position:
 
     k, v  [slots, kv heads, capacity, head dim]      (L = the looped layers, T = the full depth)
 
@@ -28,8 +29,6 @@ The prelude and coda slots follow the same rule:
     a draft read of p + 1      may read them: only the draft's quality changes, not exactness
     the verify of p            rewrites them at full depth (in its C call, before its read), before
                                any full-depth read after p
-
-`SharedKVCache` holds the project's cross-recurrence sharing rule, exact but not the paper's.
 """
 from typing import NamedTuple
 
@@ -75,13 +74,12 @@ class KVCache:
                       max(pos[i] for i in index)) for d, index in groups.items()]
 
     def attend(self, groups, layer, q, k, v):
-        """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions, then
-        attend each row (q [N, H, hd]) to its slot's columns 0..pos: every row of a group in one
-        SDPA call. Every write comes before any read, so rows of one call see each other's keys
-        (draft-then-verify's verify pass, the prefill). A wavefront R call batches its matmuls
-        over all rows, but attention runs per depth: its rows all sit at different depths, so each
-        group is one row, one SDPA call per row, ceil(T / k) per layer. (The engine attends all
-        rows of a call at once, each over its own depth's keys: engine/kv_cache.py.)"""
+        """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
+        depth's slot, then attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA
+        call per group (`prepare`). All writes come first, so rows of one call see each other's
+        keys (DtV's verify pass, the prefill). A wavefront R call's rows all sit at different
+        depths: one batch for the matmuls, but one SDPA call per row, ceil(T / k) per layer (the
+        engine attends them all at once, each over its own depth's keys: engine/kv_cache.py)."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -112,21 +110,25 @@ class SharedKVCache(KVCache):
     (T - 1). The prompt's rows read their own depth, as in KVCache: the prefill runs them all at
     each depth in turn, so none has a last depth yet.
 
-    Why exact (WFD under it gives AR under it): rows start at least k ticks apart, so a position
-    `window` >= ceil(T / k) behind p started k * ceil(T / k) >= T ticks before p and has written
-    its last depth. The paper's rule (recurrence r reads and writes slot r mod s, s < T slots a
-    layer) is lossy and breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
+    Why exact (WFD under it gives AR under it; the proof: docs/shared-kv.md): each key a row at p
+    reads is already written, as AR writes it. The window's keys are at p's own depth d, which the
+    positions before p reached in earlier R calls. The older ones are finished: rows start k or more
+    ticks apart and finish T ticks after they start, so those unfinished when p starts lie at most
+    ceil(T / k) - 1 positions before p, inside a window >= ceil(T / k) (generate checks it). The
+    paper's rule (recurrence r reads and writes slot r mod s, s < T slots a layer) is lossy and
+    breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
         AR:        p - 1 has finished: slot 0 holds its recurrence-2 keys (its last one = 0 mod 2)
         wavefront: p - 1 runs recurrence 1 in the same R call: slot 0 holds its recurrence-0 keys
     Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
     full AR on the first token only.
 
-    Memory: this class keeps every depth, as KVCache: slots x kv heads x capacity x head dim x 2
-    (k and v) x bytes an element; on the demo's run 8 x 2 x 136 x 64 x 2 x 4 = 1,114,112 bytes.
-    The engine's ring (engine/kv_cache.py, SharedKVCache) keeps per looped layer one final-depth
-    slot and, per depth, the last max(W, 2W - 2) positions (W = window), position q at entry
-    `q % self.ring` (its `prepare`). 2W - 2: a restarted row at p reads back to p - W + 1 while the
-    dropped rows wrote up to p + W - 2 (docs/shared-kv.md)."""
+    Memory: this class keeps every depth, as KVCache. A column of a slot is kv heads x head dim x 2
+    (k and v) x bytes an element: 2 x 64 x 2 x 4 = 1,024 bytes on the demo, whose run holds 8 slots
+    (4 depths x 2 layers) x 136 columns (9 prompt tokens + 128 - 1) x 1,024 = 1,114,112 bytes. The
+    engine's caches (engine/kv_cache.py) add a scratch column: full, 8 x 137 x 1,024 = 1,122,304;
+    its SharedKVCache keeps per looped layer one final-depth slot and, per depth, a ring of the last
+    max(W, 2W - 2) positions (W = window; q at entry `q % self.ring`; docs/shared-kv.md) and a
+    scratch entry: at W = 2, 2 layers x (137 + 4 depths x 3) x 1,024 = 305,152 bytes."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

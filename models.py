@@ -22,11 +22,6 @@ e holds what a row's recurrences and read need of its token besides the state, m
 kept with the row's state (wfd.Loop): Huginn's prelude output; Parcae's injection term and the
 token's value embeddings (tables looked up by token id that some blocks mix into v, in every
 recurrence).
-
-A row is one token position at one depth (completed recurrences). Looped layer j applied at depth
-d reads and writes KV slot (d, j), so rows at different depths can share one R call (matmuls one
-batch, attention per depth: kv.KVCache.attend): only attention (and LoopFormer's clock) cares which
-depth a row is at.
 """
 import math
 from dataclasses import dataclass
@@ -197,9 +192,10 @@ class LoopedLM(nn.Module):
         return self.p_body(ids, Call(pos, None, cache))
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):
-        """One recurrence for every row, each at its own depth (matmuls one batch, attention per
-        depth: kv.KVCache.attend). num_steps: the full depth T of the schedule the rows follow
-        (default: the cache's, else the model's), on which LoopFormer's clock runs."""
+        """One recurrence for every row, each at its own depth (which only attention and
+        LoopFormer's clock read): r_body runs the core's blocks over the [rows, D] batch through
+        `_layers`. num_steps: the full depth T of the schedule the rows follow (default: the
+        cache's, else the model's), on which LoopFormer's clock runs."""
         clock = None
         if self.clock is not None:
             clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))
@@ -274,13 +270,13 @@ class LoopedLM(nn.Module):
         return (t.index_select(0, pos)[:, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
 
     def _layers(self, blocks, x, call, ve=None, mod=None):
-        # RoPE rows, KV columns and masks: built once per call, not once per layer
-        cos, sin = self.rope(call.pos)
+        """The blocks over the call's rows x [N, D], the matmuls one batch: each block's attention
+        calls `cache.attend` with this call's rows, grouped by depth once here (`cache.prepare`)."""
+        cos, sin = self.rope(call.pos)  # RoPE rows and the rows' groups: once a call, not a layer
         cache = call.cache
-        prepared = None if cache is None else cache.prepare(call)  # kv.py: the rows by depth
+        prepared = None if cache is None else cache.prepare(call)
         for j, blk in enumerate(blocks):
-            # the block attends through a function of (q, k, v), since it does not know the cache:
-            # this one writes k, v into the layer's slots and reads what the rows see (kv.py)
+            # the block does not know the cache: it attends through this function of (q, k, v)
             attend = (causal_attention if prepared is None
                       else partial(cache.attend, prepared, blk.layer_id))
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

@@ -68,8 +68,7 @@ class Sequence:
                  on_token=None, keep_logits=False):
         self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
         self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
-        # the last row's position: prompt at 0..len-1, new tokens at len..len+N-1, the N-th
-        # never fed back (no row computes a position past it)
+        # the last row's position: new tokens go at len..len+N-1, the N-th never fed back
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
@@ -122,19 +121,20 @@ def autoregressive(seq):
 
 
 def wavefront(seq, k):
-    """The tick: one R call over every row in flight, then one C call that verifies the oldest row
-    (at depth T) and drafts from the newest (at depth k), which starts the next position's row: a
-    row starts every k ticks, on a diagonal, at depths after the R call T, T - k, T - 2k, ...
-    (during it: T - 1, T - 1 - k, ...), ceil(T / k) rows (T = 4, k = 3: 4 and 1). A row commits
-    k ticks after the row before it if accepted (rate a), else T ticks: a*k + (1-a)*T a token."""
+    """The tick: one R call over every row in flight, then one C call that reads the oldest row at
+    depth T (its token, AR's next, checks the draft the next row started from and is committed)
+    and drafts from the newest at depth k, which starts the next position's row: a row starts
+    every k ticks, on a diagonal, at depths after the R call T, T - k, T - 2k, ... (during it:
+    T - 1, T - 1 - k, ...), ceil(T / k) rows (T = 4, k = 3: 4 and 1). A row commits k ticks after
+    the row before it if accepted (rate a), else T ticks: a*k + (1-a)*T a token."""
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
         reached_k = newest.depth == k
-        # the verified row is also the newest (with reached_k: k = T): its full-depth read gives
-        # the next token, so no draft; the next row starts below
+        # one row in flight, at depth T: k = T, or the row at last_pos, alone once the rows before
+        # it committed; no draft from it: its full-depth read gives the next token itself
         newest_verified = verifying and newest is oldest
         at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
         drafting = reached_k and not newest_verified and not at_last
@@ -142,7 +142,7 @@ def wavefront(seq, k):
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
-            target = out[0]  # AR's token after the oldest row: the next row's draft must be it
+            target = out[0]  # AR's next token: it checks the next row's draft, and is committed
             rows.pop(0)  # after the pop, rows[0] is always a row started from a draft
             if rows and not seq.verify(rows[0], target):
                 # the correction: drop the draft's row and all after it (kv.py: no rollback)
@@ -203,8 +203,8 @@ class Loop:
         return seq.commit(Readout(int(logits.argmax()), logits))
 
     def advance(self, seq, rows):
-        """P of the rows started since the last R call (why here: Sequence.start), then one R call
-        over `rows`, each at its own depth, in one batch; each row's depth goes up by one."""
+        """P of the rows started since the last R call (why here: Sequence.start), then one R call:
+        `rows`' states stacked into one batch for model.R, with each row's position and depth."""
         if seq.starting:
             s, e = self.model.P(self.tensor([r.token for r in seq.starting]),
                                 self.tensor([r.pos for r in seq.starting]), self.cache)

@@ -103,7 +103,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, attend, ve=None, mod=None):  # x [..., N, D]; ve [..., N, cols]
         """cos, sin: the rows' RoPE rows (models.LoopedLM.rope). For WFD one line matters,
-        attend(q, k, v) (kv.KVCache.attend); the rest is the families' flags (ModelArgs)."""
+        attend(q, k, v); the rest is the families' flags (ModelArgs)."""
         a = self.args
         gate_attn, gate_mlp, scale_attn, scale_mlp = [None] * 4 if mod is None else mod.chunk(4, -1)
         h = self.sublayer_input(x, self.attn_norm, scale_attn)
@@ -125,7 +125,7 @@ class Block(nn.Module):
         if a.qk_norm:
             qk = rms_norm(qk, None, QK_NORM_EPS)
         q, k = qk.split([heads, a.n_kv_heads], -2)
-        y = F.linear(attend(q, k, v).flatten(-2), self.proj.weight)
+        y = F.linear(attend(q, k, v).flatten(-2), self.proj.weight)  # kv.KVCache.attend (WFD)
         x = self.residual(x, y, self.attn_out_norm, gate_attn)
         h = F.linear(self.sublayer_input(x, self.mlp_norm, scale_mlp), self.fc.weight)
         return self.residual(x, F.linear(MLPS[a.mlp](h), self.down.weight), self.mlp_out_norm,

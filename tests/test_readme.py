@@ -40,3 +40,34 @@ def test_the_reading_path_names_the_files_lengths_and_ranges():
     assert lines[layers_start - 1].startswith("    def _layers("), lines[layers_start - 1]
     assert lines[layers_end - 1] == "        return x"
     assert lines[layers_end + 1].startswith("    def clock_table"), lines[layers_end + 1]
+
+
+def whole_method(path, start, end, name):
+    """Lines start..end (1-based) of `path` are the method `name`, all of it and nothing after."""
+    lines = lines_of(path)
+    body = lines[start:end]
+    return (lines[start - 1].startswith(f"    def {name}(") and lines[end] == ""
+            and lines[end + 1].startswith("    def ")
+            and all(line == "" or line.startswith("        ") for line in body))
+
+
+def test_the_batched_call_names_the_lines_of_its_four_places():
+    """The README's 'One batched call' bullet names, in each file, the lines of the code that an R
+    call runs through: Loop.advance, LoopedLM.R and _layers, Block.forward's attend line (the table
+    names it too), KVCache.attend."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    bullet = re.search(r"- \*\*One batched call\*\*:(.*?)\n- ", text, re.S).group(1)
+    advance = re.search(r"`wfd.py` (\d+)-(\d+) \(`Loop.advance`\)", bullet).groups()
+    models = re.search(r"`models.py` (\d+)-(\d+) \(`R`\) and (\d+)-(\d+) \(`_layers`\)",
+                       bullet).groups()
+    r, layers = models[:2], models[2:]
+    attend = re.search(r"`kv.py` (\d+)-(\d+) \(`KVCache.attend`\)", bullet).groups()
+    assert whole_method("wfd.py", *map(int, advance), "advance")
+    assert whole_method("models.py", *map(int, r), "R")
+    assert whole_method("models.py", *map(int, layers), "_layers")
+    assert whole_method("kv.py", *map(int, attend), "attend")
+    line = re.search(r"`layers/transformer.py` (\d+) \(`attend\(q, k, v\)`\)", bullet).group(1)
+    table = re.search(r"`attend\(q, k, v\)` \((\d+)\) \|", text).group(1)
+    assert line == table
+    assert "attend(q, k, v)" in lines_of("layers/transformer.py")[int(line) - 1]
