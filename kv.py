@@ -41,7 +41,7 @@ class Group(NamedTuple):
     depth: int          # their depth, or None in a call without looped layers
     index: torch.Tensor  # [n] their places in the call
     pos: torch.Tensor    # [n] their positions
-    top: int            # the furthest of them: the columns 0..top are read
+    max_pos: int        # the last of their positions: they read columns 0..max_pos
 
 
 class KVCache:
@@ -93,17 +93,17 @@ class KVCache:
         return y
 
     def visible(self, layer, g):
-        """The keys and values [Hkv, columns, hd] a group reads, and which columns each of its rows
-        sees ([n, columns], or None: a lone row sees them all)."""
+        """The keys and values [Hkv, columns, hd] a group reads, and the mask [n, columns] of the
+        columns each row sees; a lone row sees every column read (0..its position): no mask."""
         s = self.slot(layer, g.depth)
-        keys, values = self.k[s, :, :g.top + 1], self.v[s, :, :g.top + 1]
-        cols = torch.arange(g.top + 1, device=g.pos.device)
+        keys, values = self.k[s, :, :g.max_pos + 1], self.v[s, :, :g.max_pos + 1]
+        cols = torch.arange(g.max_pos + 1, device=g.pos.device)
         return keys, values, None if len(g.pos) == 1 else cols <= g.pos[:, None]
 
 
 class SharedKVCache(KVCache):
     """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md). This
-    class shows the rule and saves no memory; the engine's ring saves it (Memory, below).
+    class shows the rule and saves no memory; the engine's cache saves it (Memory, below).
 
     The rule: a row at position p >= `prompt` and depth d reads the depth-d keys of the `window`
     positions p - window < q <= p and, for every older position, the keys of the last depth
@@ -114,21 +114,23 @@ class SharedKVCache(KVCache):
     reads is already written, as AR writes it. The window's keys are at p's own depth d, which the
     positions before p reached in earlier R calls. The older ones are finished: rows start k or more
     ticks apart and finish T ticks after they start, so those unfinished when p starts lie at most
-    ceil(T / k) - 1 positions before p, inside a window >= ceil(T / k) (generate checks it). The
-    paper's rule (recurrence r reads and writes slot r mod s, s < T slots a layer) is lossy and
+    ceil(T / k) - 1 positions before p, in a window >= ceil(T / k) (generate checks it). At T = 4,
+    k = 2: when p starts, p - 2 has finished and p - 1 is at depth 2 of 4, inside a window of 2.
+    The paper's rule (recurrence r reads and writes slot r mod s, s < T slots a layer) is lossy and
     breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
-        AR:        p - 1 has finished: slot 0 holds its recurrence-2 keys (its last one = 0 mod 2)
+        AR:        p - 1's recurrences 0..3 wrote slots 0,1,0,1: slot 0's last write is recurrence 2
         wavefront: p - 1 runs recurrence 1 in the same R call: slot 0 holds its recurrence-0 keys
-    Still a model other than the full cache's: on the demo (README's run) shared AR agrees with
-    full AR on the first token only.
+    Still a model other than the full cache's: on the demo, shared AR agrees with full AR on the
+    first token only (no test holds it: compare `python run.py --method ar` with `--kv shared`).
 
-    Memory: this class keeps every depth, as KVCache. A column of a slot is kv heads x head dim x 2
-    (k and v) x bytes an element: 2 x 64 x 2 x 4 = 1,024 bytes on the demo, whose run holds 8 slots
-    (4 depths x 2 layers) x 136 columns (9 prompt tokens + 128 - 1) x 1,024 = 1,114,112 bytes. The
-    engine's caches (engine/kv_cache.py) add a scratch column: full, 8 x 137 x 1,024 = 1,122,304;
-    its SharedKVCache keeps per looped layer one final-depth slot and, per depth, a ring of the last
-    max(W, 2W - 2) positions (W = window; q at entry `q % self.ring`; docs/shared-kv.md) and a
-    scratch entry: at W = 2, 2 layers x (137 + 4 depths x 3) x 1,024 = 305,152 bytes."""
+    Memory: this class keeps every depth, as KVCache: on the demo's run 8 slots (4 depths x 2
+    layers) x 136 columns (9 prompt tokens + 128 - 1) x 1,024 bytes a column (2 kv heads x 64 head
+    dim x 2 for k and v x 4 bytes) = 1,114,112 bytes. The engine's caches (engine/kv_cache.py) add a
+    scratch column: full, 8 x 137 x 1,024 = 1,122,304. Its shared cache keeps, per looped layer, the
+    last depth of every position (137 columns) and, per depth, only the last max(W, 2W - 2)
+    positions (W = window; position q at entry q mod that) and a scratch entry: 2 layers x (137 + 4
+    x 3) x 1,024 = 305,152 bytes at W = 2. Why 2W - 2: a row restarted at p reads p - W + 1 .. p
+    while the rows dropped with it wrote up to p + W - 2."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)
@@ -138,12 +140,12 @@ class SharedKVCache(KVCache):
         if g.depth is None or layer >= self.n_core:
             return super().visible(layer, g)
         last, own = self.slot(layer, self.num_steps - 1), self.slot(layer, g.depth)
-        n = g.top + 1
+        n = g.max_pos + 1
         cols = torch.arange(n, device=g.pos.device)
         # the window's lower edge: a prompt row's is -1 (it reads its own depth everywhere)
         edge = torch.where(g.pos >= self.prompt, g.pos - self.window, -1)[:, None]
-        # keys [last-depth slot | own-depth slot]: a row sees the first's columns <= edge and the
-        # second's edge < column <= p
+        # keys: columns 0..n-1 of the last-depth slot, then 0..n-1 of the own-depth slot; a row at
+        # p sees the first's columns 0..edge and the second's edge+1..p
         seen = torch.cat([cols <= edge, (cols > edge) & (cols <= g.pos[:, None])], dim=1)
         keys = torch.cat([self.k[last, :, :n], self.k[own, :, :n]], dim=1)
         values = torch.cat([self.v[last, :, :n], self.v[own, :, :n]], dim=1)

@@ -9,13 +9,14 @@ positions and depths share one R call (matmuls one batch, attention per depth: k
 A schedule is a generator that never touches the model (the engine runs the same ones); Loop.run
 makes its calls: a `wavefront` tick is `yield Advance(rows)` (Loop.advance: P of the rows started
 since the last one, one R call) and `out = yield Read(rows)` (Loop.read: one C call, its Readouts).
-At T = 4, k = 2, from rows a, b at depths 3, 1, row:depth after each R call; c's draft is wrong:
+At T = 4, k = 2, rows a, b enter R call 1 at depths 3, 1; row:depth after each R call; c is wrong:
 
     R call 1  a:4 b:2   C reads a (b's token, drafted from a at depth k, equals a's full-depth
                         read: commit it) and b (draft c)
-    R call 2  b:3 c:1   (c's P call opens the call: seq.start only noted c)
-    R call 3  b:4 c:2   C reads b and c (c's token, b's draft, was wrong: commit b's read, drop c)
-    R call 4  c':1      c' restarts at c's position from depth 0 with b's read; c's read unused
+    R call 2  b:3 c:1   (c's P call runs first, in the same Loop.advance)
+    R call 3  b:4 c:2   C reads b and c: c's token (b's draft) was wrong: commit b's read, drop c
+                        and the draft just read from c
+    R call 4  c':1      c' restarts at c's position from depth 0, with b's read as its token
     R call 5  c':2      C reads c' (draft d)
 """
 import numbers
@@ -30,7 +31,7 @@ import torch
 from kv import KVCache, SharedKVCache
 
 
-@dataclass(eq=False)  # identity: Loop.state is weak-keyed, so dropped rows free their state
+@dataclass(eq=False)  # hashed by identity, to key Loop.state: equal fields are still two rows
 class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
     pos: int                 # the position it computes (its token sits there)
@@ -68,7 +69,7 @@ class Sequence:
                  on_token=None, keep_logits=False):
         self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
         self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
-        # the last row's position: new tokens go at len..len+N-1, the N-th never fed back
+        # new tokens go at len..len+N-1; the last is read from the row at len+N-2, the last row
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
@@ -122,28 +123,29 @@ def autoregressive(seq):
 
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that reads the oldest row at
-    depth T (its token, AR's next, checks the draft the next row started from and is committed)
-    and drafts from the newest at depth k, which starts the next position's row: a row starts
-    every k ticks, on a diagonal, at depths after the R call T, T - k, T - 2k, ... (during it:
-    T - 1, T - 1 - k, ...), ceil(T / k) rows (T = 4, k = 3: 4 and 1). A row commits k ticks after
-    the row before it if accepted (rate a), else T ticks: a*k + (1-a)*T a token."""
+    depth T (AR's next token: it checks the next row's draft and is committed) and drafts from the
+    newest at depth k. A row starts every k ticks: ceil(T / k) rows in flight, at depths T, T - k,
+    T - 2k, ... after the R call; it commits k ticks after the row before it if accepted (rate a),
+    else T ticks: a*k + (1-a)*T R calls a token."""
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
-        reached_k = newest.depth == k
-        # one row in flight, at depth T: k = T, or the row at last_pos, alone once the rows before
-        # it committed; no draft from it: its full-depth read gives the next token itself
-        newest_verified = verifying and newest is oldest
+        # k = T, or last_pos's row once the rows before it committed: its read gives the next token
+        lone_row_at_T = verifying and newest is oldest
         at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
-        drafting = reached_k and not newest_verified and not at_last
-        # one C call: out[0] the verify's read, out[-1] the draft's, discarded if the verify rejects
+        drafting = newest.depth == k and not lone_row_at_T and not at_last
+        # one C call: out[0] the verify's read; out[-1] the draft's, made before the verify decides
+        # and dropped if it rejects. Its depth-k coda keys are read by later drafts: that changes
+        # only the drafts' quality, never the tokens (kv.py's coda timeline)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
-            target = out[0]  # AR's next token: it checks the next row's draft, and is committed
-            rows.pop(0)  # after the pop, rows[0] is always a row started from a draft
+            target = out[0]  # the verify's read
+            # now rows[0], if any, was drafted: only the first row and a restart are not, and
+            # such a row is always the oldest, the one popped here
+            rows.pop(0)
             if rows and not seq.verify(rows[0], target):
                 # the correction: drop the draft's row and all after it (kv.py: no rollback)
                 rows, drafting = [], False
@@ -181,8 +183,8 @@ def draft_then_verify(seq, k, draft_len):
 
 class Loop:
     """Runs one sequence's schedule on the model, call by call, reading greedily. state: row ->
-    (s, e): s its state at its depth; e what R re-reads of the token each recurrence (made by P:
-    Huginn's prelude output; None for Ouro, LoopFormer)."""
+    (s, e), weak-keyed so that a dropped row's state goes with it: s its state at its depth; e what
+    R re-reads of the token each recurrence (made by P: Huginn's prelude output; else None)."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
@@ -196,9 +198,7 @@ class Loop:
         s, e = self.model.P(self.tensor(seq.prompt), pos, self.cache)
         for d in range(seq.num_steps):
             s = self.model.R(s, e, pos, d, self.cache)
-        seq.stats["r_calls"] += seq.num_steps
-        seq.stats["rows"] += len(pos) * seq.num_steps
-        seq.stats["c_calls"] += 1
+        seq.stats.update(r_calls=seq.num_steps, rows=len(pos) * seq.num_steps, c_calls=1)
         logits = self.model.C(s, e, pos, self.cache)[-1]
         return seq.commit(Readout(int(logits.argmax()), logits))
 
