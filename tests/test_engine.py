@@ -376,7 +376,7 @@ def test_non_finite_logits_are_refused():
 # -- exact cross-recurrence KV sharing -------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,seed,dtype", quick(
-    [(kind, seed, torch.float64) for kind, seed in CASES]
+    [(kind, seed, torch.float64) for kind, seed in CASES if seed < 2]
     + [(kind, seed, dtype) for kind, seed in CASES[1::2] for dtype in DTYPES[2:]],
     ("ouro", 1, torch.bfloat16)), ids=str)
 def test_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):

@@ -240,7 +240,7 @@ def test_sampled_eos_in_the_middle_of_a_wave(kind, seed):
 
 
 @pytest.mark.parametrize("kind,seed,dtype", quick(
-    [(kind, seed, dtype) for kind, seed in CASES[:2] + CASES[3:5] + CASES[6:7] for dtype in DTYPES],
+    [(kind, seed, dtype) for kind, seed in CASES[:2] + CASES[3:4] + CASES[6:7] for dtype in DTYPES],
     ("ouro", 1, torch.bfloat16)), ids=str)
 def test_sampled_shared_kv_wfd_equals_shared_ar(kind, seed, dtype):
     model = tiny_model(kind, seed, dtype)

@@ -161,9 +161,10 @@ def test_batched_siblings_with_refill_equal_batched_ar(kind, dtype):
         assert [o.tokens for o in outs] == [r.tokens for r in refs]
 
 
-@pytest.mark.parametrize("kind,dtype", quick([(k, d) for k in FAMILIES
-                                              for d in (torch.float32, torch.bfloat16)],
-                                             ("huginn", torch.bfloat16)), ids=str)
+# every family in float32, the first three in bfloat16 too
+@pytest.mark.parametrize("kind,dtype", quick(
+    [(k, torch.float32) for k in FAMILIES] + [(k, torch.bfloat16) for k in FAMILIES[:3]],
+    ("huginn", torch.bfloat16)), ids=str)
 def test_shared_kv_siblings_equal_shared_ar(kind, dtype):
     """With cross-recurrence KV sharing: a sibling's ring entries in its branch, its final-depth
     keys at its position once it won; against shared AR at the same width and window."""
