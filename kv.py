@@ -22,13 +22,14 @@ are AR's, and what a surviving row read at columns < p is what AR's rows wrote t
 draft's row at p wrote wrong keys at column p of the depths it reached; no row reads them, since the
 rows after it were dropped with it, and the row that restarts at p overwrites each depth before any
 later row reads it. No rollback.
-The prelude and coda slots follow the same rule:
+The prelude's slots (its layers run before the loop, by P) and the coda's (its layers run after
+the loop, by C) follow the same rule:
 - a restarted row's P call rewrites prelude column p before any later row's P call;
-- coda column p over time (rows are verified in order):
-    the draft read of p        writes p's depth-k coda keys there
-    a draft read of p + 1      may read them: only the draft's quality changes, not exactness
-    the verify of p            rewrites them at full depth (in its C call, before its read), before
-                               any full-depth read after p
+- coda column p over time (full-depth reads go in position order):
+    the draft read of p: writes p's depth-k coda keys there
+    a draft read of p + 1: may read them; only the draft's quality changes, not exactness
+    p's full-depth read (which checks p+1's draft): rewrites them at full depth, in its C call
+    before its read, and before any full-depth read after p
 """
 from typing import NamedTuple
 
@@ -54,8 +55,8 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def slot(self, layer, depth):
-        """The slot of layer id `layer` at `depth`. Layer ids: the looped layers 0..L-1 (L =
-        n_core), then the prelude's, then the coda's; P and C pass depth None (ids >= L)."""
+        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
+        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
         if layer < self.n_core:
             return depth * self.n_core + layer
         return self.depth_slots + layer - self.n_core
@@ -123,14 +124,10 @@ class SharedKVCache(KVCache):
     Still a model other than the full cache's: on the demo, shared AR agrees with full AR on the
     first token only (no test holds it: compare `python run.py --method ar` with `--kv shared`).
 
-    Memory: this class keeps every depth, as KVCache: on the demo's run 8 slots (4 depths x 2
-    layers) x 136 columns (9 prompt tokens + 128 - 1) x 1,024 bytes a column (2 kv heads x 64 head
-    dim x 2 for k and v x 4 bytes) = 1,114,112 bytes. The engine's caches (engine/kv_cache.py) add a
-    scratch column: full, 8 x 137 x 1,024 = 1,122,304. Its shared cache keeps, per looped layer, the
-    last depth of every position (137 columns) and, per depth, only the last max(W, 2W - 2)
-    positions (W = window; position q at entry q mod that) and a scratch entry: 2 layers x (137 + 4
-    x 3) x 1,024 = 305,152 bytes at W = 2. Why 2W - 2: a row restarted at p reads p - W + 1 .. p
-    while the rows dropped with it wrote up to p + W - 2."""
+    Memory: this class keeps every depth. The engine's (engine/kv_cache.py) keeps per looped layer
+    one last-depth slot plus, per depth, a ring of the last max(W, 2W - 2) positions (W = window):
+    `python run.py --prompt "def fibonacci(n):"` ends on `KV 1.1 MiB`; with `--kv shared`, on
+    `KV 0.3 MiB (shared, window 2)` (docs/shared-kv.md counts the bytes)."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps)

@@ -277,7 +277,7 @@ class LoopedLM(nn.Module):
         prepared = None if cache is None else cache.prepare(call)
         for j, blk in enumerate(blocks):
             # the block does not know the cache: it attends through this function of (q, k, v);
-            # blk.layer_id picks the KV slots: looped layers 0..L-1, then prelude, then coda (kv.py)
+            # blk.layer_id (numbered in __init__) picks its KV slots (kv.KVCache.slot)
             attend = (causal_attention if prepared is None
                       else partial(cache.attend, prepared, blk.layer_id))
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

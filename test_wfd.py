@@ -166,20 +166,31 @@ class CallLog:
 
 
 def test_the_calls_run_as_wfd_py_traces_a_tick():
-    """wfd.py's trace of a tick, T = 4, k = 2: one R call over the rows in flight, then one C call
-    reading the oldest (at T) and the newest (at k); a drafted row's P call comes at the next
-    Advance, just before the R call that takes it to depth 1. The log is written out by hand."""
-    model, seq = CallLog(), wfd.Sequence([0], max_new_tokens=4, num_steps=4)
+    """wfd.py's trace, T = 4, k = 2, p = 1, p+2's draft forced wrong: one R call over the rows in
+    flight, then one C call reading the oldest (at T) and the newest (at k); a drafted row's P call
+    comes at the next Advance, just before the R call that takes it to depth 1. The log is written
+    out by hand; the numbers are the trace's R calls."""
+    model = CallLog()
+    seq = wfd.Sequence([0], max_new_tokens=5, num_steps=4,
+                       draft_hook=lambda pos, token: 0 if pos == 3 else token)
     loop = wfd.Loop(model, cache=None)
     loop.prefill(seq)
     loop.run(seq, wfd.wavefront(seq, k=2))
     assert model.calls == [
         ("P", [0]), ("R", [0], 0), ("R", [0], 1), ("R", [0], 2), ("R", [0], 3), ("C", [0]),
-        ("P", [1]), ("R", [1], [0]), ("R", [1], [1]), ("C", [1]),  # draft for 2 from depth 2
-        ("P", [2]), ("R", [1, 2], [2, 0]), ("R", [1, 2], [3, 1]), ("C", [1, 2]),  # the trace's
-        ("P", [3]), ("R", [2, 3], [2, 0]), ("R", [2, 3], [3, 1]), ("C", [2]),  # 3 is last_pos
-        ("R", [3], [2]), ("R", [3], [3]), ("C", [3])]
-    assert seq.tokens == [1, 2, 3, 4] and seq.stats["accepted"] == 2 and seq.starting == []
+        ("P", [1]), ("R", [1], [0]),  # 1
+        ("R", [1], [1]), ("C", [1]),  # 2: the draft for 2
+        ("P", [2]), ("R", [1, 2], [2, 0]),  # 3
+        ("R", [1, 2], [3, 1]), ("C", [1, 2]),  # 4: 1 verifies 2's draft, 2 drafts for 3
+        ("P", [3]), ("R", [2, 3], [2, 0]),  # 5
+        ("R", [2, 3], [3, 1]), ("C", [2, 3]),  # 6: 3's draft is wrong
+        ("P", [3]), ("R", [3], [0]),  # 7: 3 restarts
+        ("R", [3], [1]), ("C", [3]),
+        ("P", [4]), ("R", [3, 4], [2, 0]),
+        ("R", [3, 4], [3, 1]), ("C", [3]),  # 4 is last_pos: no draft
+        ("R", [4], [2]), ("R", [4], [3]), ("C", [4])]
+    assert seq.tokens == [1, 2, 3, 4, 5] and seq.starting == []
+    assert (seq.stats["accepted"], seq.stats["rejected"]) == (2, 1)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -9,15 +9,17 @@ positions and depths share one R call (matmuls one batch, attention per depth: k
 A schedule is a generator that never touches the model (the engine runs the same ones); Loop.run
 makes its calls: a `wavefront` tick is `yield Advance(rows)` (Loop.advance: P of the rows started
 since the last one, one R call) and `out = yield Read(rows)` (Loop.read: one C call, its Readouts).
-At T = 4, k = 2, rows a, b enter R call 1 at depths 3, 1; row:depth after each R call; c is wrong:
+At T = 4, k = 2, from the first tick after the prefill (one row, at p = len(prompt)): each R call's
+rows as position:depth after it; p+2's input token, the draft, is wrong:
 
-    R call 1  a:4 b:2   C reads a (b's token, drafted from a at depth k, equals a's full-depth
-                        read: commit it) and b (draft c)
-    R call 2  b:3 c:1   (c's P call runs first, in the same Loop.advance)
-    R call 3  b:4 c:2   C reads b and c: c's token (b's draft) was wrong: commit b's read, drop c
-                        and the draft just read from c
-    R call 4  c':1      c' restarts at c's position from depth 0, with b's read as its token
-    R call 5  c':2      C reads c' (draft d)
+    R call 1  p:1
+    R call 2  p:2          C reads p: the draft, p+1's input token
+    R call 3  p:3 p+1:1    (p+1's P call runs first, in the same Loop.advance)
+    R call 4  p:4 p+1:2    C reads p (its read equals p+1's input token: commit it) and p+1 (draft)
+    R call 5  p+1:3 p+2:1
+    R call 6  p+1:4 p+2:2  C reads p+1 and p+2: p+1's read is not p+2's input token: commit the
+                           read, drop p+2 and the draft just read from it
+    R call 7  p+2:1        p+2 restarts from depth 0, with p+1's read as its input token
 """
 import numbers
 import time
@@ -36,7 +38,7 @@ class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
     pos: int                 # the position it computes (its token sits there)
     token: int               # the token it reads in: committed, or a draft
-    depth: int = 0           # R calls done, 0..T; the R call from d uses KV slot d: T has none
+    depth: int = 0           # R calls done, 0..T; no KV slot for depth T: no R call starts there
 
 
 class Advance(NamedTuple):
@@ -127,31 +129,29 @@ def wavefront(seq, k):
     newest at depth k. A row starts every k ticks: ceil(T / k) rows in flight, at depths T, T - k,
     T - 2k, ... after the R call; it commits k ticks after the row before it if accepted (rate a),
     else T ticks: a*k + (1-a)*T R calls a token."""
+    # the prefill committed tokens[0], read at the prompt's last position
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
-        # k = T, or last_pos's row once the rows before it committed: its read gives the next token
-        lone_row_at_T = verifying and newest is oldest
         at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
-        drafting = newest.depth == k and not lone_row_at_T and not at_last
-        # one C call: out[0] the verify's read; out[-1] the draft's, made before the verify decides
-        # and dropped if it rejects. Its depth-k coda keys are read by later drafts: that changes
-        # only the drafts' quality, never the tokens (kv.py's coda timeline)
+        # at k = T the depth-k read is the verify's own: nothing to draft
+        drafting = k < seq.num_steps and newest.depth == k and not at_last
+        # one C call: out[0] the verify's read, out[-1] the draft's (made before the verify decides,
+        # dropped on a rejection). A C call writes its position's coda keys too (the coda attends):
+        # a draft read leaves depth-k coda keys, which change only later drafts (kv.py 25-32)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
             target = out[0]  # the verify's read
-            # now rows[0], if any, was drafted: only the first row and a restart are not, and
-            # such a row is always the oldest, the one popped here
-            rows.pop(0)
+            rows.pop(0)  # rows[0], if any, is now the row drafted from `oldest`
             if rows and not seq.verify(rows[0], target):
                 # the correction: drop the draft's row and all after it (kv.py: no rollback)
                 rows, drafting = [], False
             if seq.commit(target):
                 return
-            if not rows:  # rejected, or no draft was made (k = T): the next position, depth 0
+            if not rows:  # after a rejection, or at k = T (no drafts): the next position, depth 0
                 rows.append(seq.start(oldest.pos + 1, target.token))
         if drafting:
             rows.append(seq.start(newest.pos + 1, seq.draft(newest, out[-1])))
