@@ -125,7 +125,8 @@ class SharedKVCache(KVCache):
     first token only (no test holds it: compare `python run.py --method ar` with `--kv shared`).
 
     Memory: this class keeps every depth. The engine's (engine/kv_cache.py) keeps per looped layer
-    one last-depth slot plus, per depth, a ring of the last max(W, 2W - 2) positions (W = window):
+    one last-depth slot plus, per depth, a ring of the last max(W, 2W - 2) positions (W = window;
+    2W - 2: a restarted row at p reads back to p - W + 1, the dropped rows wrote up to p + W - 2):
     `python run.py --prompt "def fibonacci(n):"` ends on `KV 1.1 MiB`; with `--kv shared`, on
     `KV 0.3 MiB (shared, window 2)` (docs/shared-kv.md counts the bytes)."""
 

@@ -36,7 +36,7 @@ from kv import KVCache, SharedKVCache
 @dataclass(eq=False)  # hashed by identity, to key Loop.state: equal fields are still two rows
 class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
-    pos: int                 # the position it computes (its token sits there)
+    pos: int                 # the position of its input token; its read chooses pos + 1's
     token: int               # the token it reads in: committed, or a draft
     depth: int = 0           # R calls done, 0..T; no KV slot for depth T: no R call starts there
 
@@ -124,11 +124,11 @@ def autoregressive(seq):
 
 
 def wavefront(seq, k):
-    """The tick: one R call over every row in flight, then one C call that reads the oldest row at
-    depth T (AR's next token: it checks the next row's draft and is committed) and drafts from the
-    newest at depth k. A row starts every k ticks: ceil(T / k) rows in flight, at depths T, T - k,
-    T - 2k, ... after the R call; it commits k ticks after the row before it if accepted (rate a),
-    else T ticks: a*k + (1-a)*T R calls a token."""
+    """The tick: one R call over every row in flight, then one C call that reads the oldest row if
+    at depth T (AR's next token: it checks the next row's draft and is committed) and the newest if
+    at depth k, to draft: both, one or neither. A row starts every k ticks: ceil(T / k) rows in
+    flight, at depths T, T - k, ... after the R call; it commits k ticks after the row before it if
+    accepted (rate a), else T ticks: a*k + (1-a)*T R calls a token."""
     # the prefill committed tokens[0], read at the prompt's last position
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
@@ -183,8 +183,8 @@ def draft_then_verify(seq, k, draft_len):
 
 class Loop:
     """Runs one sequence's schedule on the model, call by call, reading greedily. state: row ->
-    (s, e), weak-keyed so that a dropped row's state goes with it: s its state at its depth; e what
-    R re-reads of the token each recurrence (made by P: Huginn's prelude output; else None)."""
+    (s, e), weak-keyed so that a dropped row's goes with it: s its state at its depth; e what R
+    re-reads of its token, made by P (Huginn's prelude output, Parcae's injection; else None)."""
 
     def __init__(self, model, cache):
         self.model, self.cache, self.state = model, cache, weakref.WeakKeyDictionary()
