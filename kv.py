@@ -53,13 +53,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
-    def slot(self, layer, depth):
-        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
-        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
-        if layer < self.n_core:
-            return depth * self.n_core + layer
-        return self.depth_slots + layer - self.n_core
-
     @property
     def nbytes(self):  # every tensor's: generate's kv_bytes
         return sum(t.nbytes for t in vars(self).values() if torch.is_tensor(t))
@@ -93,6 +86,13 @@ class KVCache:
             seen = None if len(g.pos) == 1 else torch.arange(n, device=q.device) <= g.pos[:, None]
             y[g.index] = attention(q[g.index], self.k[s, :, :n], self.v[s, :, :n], seen)
         return y
+
+    def slot(self, layer, depth):
+        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
+        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
+        if layer < self.n_core:
+            return depth * self.n_core + layer
+        return self.depth_slots + layer - self.n_core
 
 
 class SharedKVCache(KVCache):
