@@ -1,4 +1,4 @@
-"""The KV cache of a looped LM, one slot per (depth, layer), and the attention that reads it.
+"""The KV cache of a looped LM, one slot per (depth, layer) (SharedKVCache: fewer), and its reads.
 
 A looped layer j runs at every depth d, and a row at depth d attends to the depth-d keys of the
 positions before it, so each (d, j) has a slot of its own. The prelude's and the coda's layers are
@@ -7,7 +7,6 @@ draft read or the verify) writes its position's coda keys and attends over earli
 keys. Every slot is a static buffer written by absolute position:
 
     k, v  [slots, kv heads, capacity, head dim]      (L = the looped layers, T = the full depth)
-
     slot 0 .. T*L-1             looped layer j at depth d: d * L + j (depth = R calls done; the
                                 R call from d to d + 1 uses slot d, so depth T has none)
     slot T*L .. T*L+Lp-1        the Lp prelude layers
@@ -46,20 +45,17 @@ class Group(NamedTuple):
 
 
 class KVCache:
-    def __init__(self, model, capacity, num_steps=None):
+    def __init__(self, model, capacity, num_steps=None, depths=None):
         a = model.args
         self.n_core, self.num_steps = a.n_core, num_steps or model.num_steps
-        self.depth_slots = self.num_steps * a.n_core
+        self.depth_slots = (depths or self.num_steps) * a.n_core  # depths with a slot: T, or 1
         shape = (self.depth_slots + a.n_prelude + a.n_coda, a.n_kv_heads, capacity, a.head_dim)
         self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
         self.v = torch.zeros_like(self.k)
 
-    def slot(self, layer, depth):
-        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
-        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
-        if layer < self.n_core:
-            return depth * self.n_core + layer
-        return self.depth_slots + layer - self.n_core
+    @property
+    def nbytes(self):  # every tensor's: generate's kv_bytes
+        return sum(t.nbytes for t in vars(self).values() if torch.is_tensor(t))
 
     def prepare(self, call):
         """Once per call (models.LoopedLM._layers; call: a models.Call, the rows' positions and
@@ -77,77 +73,83 @@ class KVCache:
     def attend(self, groups, layer, q, k, v):
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
         depth's slot, then attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA
-        call per group (`prepare`). All writes come first, so rows of one call see each other's
-        keys (DtV's verify pass, the prefill). A wavefront R call's rows all sit at different
-        depths: one batch for the matmuls, but one SDPA call per row, ceil(T / k) per layer (the
-        engine attends them all at once, each over its own depth's keys: engine/kv_cache.py)."""
+        call per group (`prepare`), after all writes: rows of one call see each other's keys (DtV's
+        verify, the prefill). A wavefront R call: one batch for the matmuls, but ceil(T / k) rows
+        at different depths, one SDPA call each (the engine's one: engine/kv_cache.py)."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
             self.v[s, :, g.pos] = v[g.index].transpose(0, 1)
         y = torch.empty_like(q)
-        for g in groups:
-            keys, values, seen = self.visible(layer, g)
-            y[g.index] = F.scaled_dot_product_attention(
-                q[g.index].transpose(0, 1)[None], keys[None], values[None], attn_mask=seen,
-                enable_gqa=True)[0].transpose(0, 1)
+        for g in groups:  # a lone row sees every column it reads (0..its position): no mask
+            s, n = self.slot(layer, g.depth), g.max_pos + 1
+            seen = None if len(g.pos) == 1 else torch.arange(n, device=q.device) <= g.pos[:, None]
+            y[g.index] = attention(q[g.index], self.k[s, :, :n], self.v[s, :, :n], seen)
         return y
 
-    def visible(self, layer, g):
-        """The keys and values [Hkv, columns, hd] a group reads, and the mask [n, columns] of the
-        columns each row sees; a lone row sees every column read (0..its position): no mask."""
-        s = self.slot(layer, g.depth)
-        keys, values = self.k[s, :, :g.max_pos + 1], self.v[s, :, :g.max_pos + 1]
-        cols = torch.arange(g.max_pos + 1, device=g.pos.device)
-        return keys, values, None if len(g.pos) == 1 else cols <= g.pos[:, None]
+    def slot(self, layer, depth):
+        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
+        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
+        if layer < self.n_core:
+            return depth * self.n_core + layer
+        return self.depth_slots + layer - self.n_core
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule, not the paper's (docs/shared-kv.md). This
-    class shows the rule and saves no memory; the engine's cache saves it (Memory, below).
-
-    The rule: a row at position p >= `prompt` and depth d reads the depth-d keys of the `window`
-    positions p - window < q <= p and, for every older position, the keys of the last depth
-    (T - 1). The prompt's rows read their own depth, as in KVCache: the prefill runs them all at
-    each depth in turn, so none has a last depth yet.
-
-    Why exact (WFD under it gives AR under it; the proof: docs/shared-kv.md): each key a row at p
-    reads is already written, as AR writes it. The window's keys are at p's own depth d, which the
-    positions before p reached in earlier R calls. The older ones are finished: rows start k or more
-    ticks apart and finish T ticks after they start, so those unfinished when p starts lie at most
-    ceil(T / k) - 1 positions before p, in a window >= ceil(T / k) (generate checks it). At T = 4,
-    k = 2: when p starts, p - 2 has finished and p - 1 is at depth 2 of 4, inside a window of 2.
-    The paper's rule (recurrence r reads and writes slot r mod s, s < T slots a layer) is lossy and
-    breaks this. At T = 4, s = 2, k = 1, p's recurrence 0 reads slot 0:
-        AR:        p - 1's recurrences 0..3 wrote slots 0,1,0,1: slot 0's last write is recurrence 2
-        wavefront: p - 1 runs recurrence 1 in the same R call: slot 0 holds its recurrence-0 keys
-    Still a model other than the full cache's: on the demo, shared AR agrees with full AR on the
-    first token only (no test holds it: compare `python run.py --method ar` with `--kv shared`).
-
-    Memory: this class keeps every depth. The engine's (engine/kv_cache.py) keeps per looped layer
-    one last-depth slot plus, per depth, a ring of the last max(W, 2W - 2) positions (W = window;
-    2W - 2: a restarted row at p reads back to p - W + 1, the dropped rows wrote up to p + W - 2):
-    `python run.py --prompt "def fibonacci(n):"` ends on `KV 1.1 MiB`; with `--kv shared`, on
-    `KV 0.3 MiB (shared, window 2)` (docs/shared-kv.md counts the bytes)."""
+    """Cross-recurrence sharing by this project's rule, not the paper's (lossy r mod s; both in
+    docs/shared-kv.md). A row at position p >= `prompt` and depth d reads the depth-d keys of the
+    W = `window` positions p - W < q <= p and the last depth's (T - 1) before; the prompt's rows,
+    prefilled a depth at a time, read their own depth. WFD under it is AR under it (another model
+    than the full cache's): the window holds every position unfinished when p starts (W >=
+    ceil(T / k), which generate checks); older ones are finished, as AR leaves them.
+    It keeps per looped layer the last depth at every position (slot(j, 0)), and per depth d < T - 1
+    a ring of max(W, 2W - 2) entries (a restarted row at p reads back to p - W + 1, the dropped rows
+    wrote up to p + W - 2); depth T - 1 needs none (a row runs R from T - 1 after its draft was
+    checked, and is never dropped then). Bytes: ((L + Lp + Lc) * C + (T - 1) * L * ring) * Hkv * hd
+    * 2 * itemsize (C = capacity): on README's demo run (C = 136, L = 2, T = 4, W = 2, Hkv = 2,
+    hd = 64, float32) 290,816, `KV 0.3 MiB` (KVCache: 1,114,112, `KV 1.1 MiB`)."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
-        super().__init__(model, capacity, num_steps)
-        self.window, self.prompt = window, prompt
+        super().__init__(model, capacity, num_steps, depths=1)
+        self.window, self.prompt, self.ring = window, prompt, max(window, 2 * window - 2)
+        ring = ((num_steps - 1) * self.n_core, self.k.shape[1], self.ring, self.k.shape[3])
+        self.ring_k = self.k.new_zeros(ring)  # ring_k[d * L + j]: looped layer j at depth d
+        self.ring_v = torch.zeros_like(self.ring_k)
 
-    def visible(self, layer, g):
-        if g.depth is None or layer >= self.n_core:
-            return super().visible(layer, g)
-        last, own = self.slot(layer, self.num_steps - 1), self.slot(layer, g.depth)
-        n = g.max_pos + 1
-        cols = torch.arange(n, device=g.pos.device)
-        # the window's lower edge: a prompt row's is -1 (it reads its own depth everywhere)
-        edge = torch.where(g.pos >= self.prompt, g.pos - self.window, -1)[:, None]
-        # keys: columns 0..n-1 of the last-depth slot, then 0..n-1 of the own-depth slot; a row at
-        # p sees the first's columns 0..edge and the second's edge+1..p
-        seen = torch.cat([cols <= edge, (cols > edge) & (cols <= g.pos[:, None])], dim=1)
-        keys = torch.cat([self.k[last, :, :n], self.k[own, :, :n]], dim=1)
-        values = torch.cat([self.v[last, :, :n], self.v[own, :, :n]], dim=1)
-        return keys, values, seen
+    def attend(self, groups, layer, q, k, v):
+        """KVCache.attend by the rule at a looped layer: the prefill's group (positions 0..n-1)
+        attends causally over its own keys, writing the ring's last `ring` positions (no entry
+        twice); a decode row (one a group) reads last-depth columns 0..p - W, ring p - W + 1..p."""
+        if layer >= self.n_core:  # the prelude's and coda's slots
+            return super().attend(groups, layer, q, k, v)
+        last, T = self.slot(layer, 0), self.num_steps
+        for g in groups:
+            keys, values = k[g.index].transpose(0, 1), v[g.index].transpose(0, 1)
+            if g.depth == T - 1:
+                self.k[last, :, g.pos], self.v[last, :, g.pos] = keys, values
+            else:
+                r, kept = g.depth * self.n_core + layer, slice(-self.ring, None)
+                self.ring_k[r, :, g.pos[kept] % self.ring] = keys[:, kept]
+                self.ring_v[r, :, g.pos[kept] % self.ring] = values[:, kept]
+        if groups[0].max_pos < self.prompt:  # the prefill: one group, positions 0..n-1
+            return causal_attention(q, k, v)
+        y = torch.empty_like(q)
+        for g in groups:
+            p = g.max_pos
+            keys, values = self.k[last, :, :p + 1], self.v[last, :, :p + 1]
+            if g.depth < T - 1:
+                edge, r = max(p - self.window + 1, 0), g.depth * self.n_core + layer
+                ring = torch.arange(edge, p + 1, device=q.device) % self.ring
+                keys = torch.cat([keys[:, :edge], self.ring_k[r, :, ring]], dim=1)
+                values = torch.cat([values[:, :edge], self.ring_v[r, :, ring]], dim=1)
+            y[g.index] = attention(q[g.index], keys, values)
+        return y
+
+
+def attention(q, keys, values, seen=None):
+    """q [n, H, hd] against keys and values [Hkv, columns, hd]; seen: a mask [n, columns]."""
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                          attn_mask=seen, enable_gqa=True)[0].transpose(0, 1)
 
 
 def causal_attention(q, k, v):

@@ -144,6 +144,37 @@ def test_shared_kv_wfd_gives_shared_ar(name):
         wfd.generate(model, prompt, 4, method="wfd", draft_steps=1, kv="shared", window=T - 1)
 
 
+def test_shared_kv_ring_holds_what_a_restarted_row_reads():
+    """At T = 3, k = 1 the wave is 3 rows: when p's draft fails, the dropped row at p + 1 wrote
+    depth 0 of p + 1, and the row restarted at p reads depth 0 of p - 2: a ring of W = 3 entries
+    would hold one over the other, max(W, 2W - 2) = 4 keeps both. WFD gives shared AR's tokens
+    and logits, and rejects drafts here (random weights), so the restart is run."""
+    model, prompt = load("ouro_A", torch.float64), prompt_of("ouro_A")
+    kw = dict(num_steps=3, kv="shared", window=3, keep_logits=True)
+    ar = wfd.generate(model, prompt, N_NEW, method="ar", **kw)
+    out = wfd.generate(model, prompt, N_NEW, method="wfd", draft_steps=1, **kw)
+    assert out.stats["verified"] > out.stats["accepted"]
+    same_as(out, ar, torch.float64)
+
+
+@pytest.mark.parametrize("name", ["ouro_A", "huginn_A"])
+def test_kv_bytes_count_what_each_cache_keeps(name):
+    """generate's kv_bytes, from the layout alone: a column (one position's keys and values in one
+    slot) is Hkv x hd x 2 x itemsize bytes; the full cache keeps T x L + Lp + Lc slots of C
+    columns (C = the positions its rows compute), the shared one L + Lp + Lc slots of C columns
+    and (T - 1) x L rings of max(W, 2W - 2) columns."""
+    model, prompt = load(name, torch.float64), prompt_of(name)
+    a, T, C = model.args, model.num_steps, len(prompt) + N_NEW - 1
+    column = a.n_kv_heads * a.head_dim * 2 * 8
+    edges = a.n_prelude + a.n_coda
+    full = wfd.generate(model, prompt, N_NEW, method="ar")
+    assert full.stats["kv_bytes"] == (T * a.n_core + edges) * C * column
+    for window, ring in ((2, 2), (3, 4)):
+        shared = wfd.generate(model, prompt, N_NEW, method="ar", kv="shared", window=window)
+        rings = (T - 1) * a.n_core * ring
+        assert shared.stats["kv_bytes"] == ((a.n_core + edges) * C + rings) * column
+
+
 class CallLog:
     """A stand-in for a looped LM that logs its P, R and C calls (the positions of their rows, and
     R's depths); a row's logits choose the token pos + 1, so every draft is accepted."""

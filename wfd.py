@@ -293,7 +293,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
             loop.run(seq, schedule(seq))
     verified, n, wall = seq.stats["verified"], len(seq.tokens), time.perf_counter() - t0
     seq.stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
-                     window=window if kv == "shared" else None, kv_bytes=cache.k.nbytes * 2,
+                     window=window if kv == "shared" else None, kv_bytes=cache.nbytes,
                      tokens=n, r_calls_per_token=seq.stats["r_calls"] / n, wall_s=wall,
                      tokens_per_s=n / wall,
                      acceptance=seq.stats["accepted"] / verified if verified else float("nan"))
