@@ -13,22 +13,21 @@ keys. Every slot is a static buffer written by absolute position:
     slot T*L+Lp ..              the coda layers
     column p                    position p's key, written by the row at position p
 
-Why reading this cache gives every schedule AR's result. A row at position p reads columns 0..p of
-its slots and nothing past p. The wavefront runs a row at p at depth d only after the rows before it
-wrote their depth-d keys, in earlier R calls (they started earlier, deeper on the diagonal). A row
-at p survives only if every row before it was accepted, so (by induction over positions) those rows
-are AR's, and what a surviving row read at columns < p is what AR's rows wrote there. A rejected
-draft's row at p wrote wrong keys at column p of the depths it reached; no row reads them, since the
-rows after it were dropped with it, and the row that restarts at p overwrites each depth before any
-later row reads it. No rollback.
-The prelude's slots (its layers run before the loop, by P) and the coda's (its layers run after
-the loop, by C) follow the same rule:
-- a restarted row's P call rewrites prelude column p before any later row's P call;
-- coda column p over time (full-depth reads go in position order):
-    the draft read of p: writes p's depth-k coda keys there
-    a draft read of p + 1: may read them; only the draft's quality changes, not exactness
-    p's full-depth read (which checks p+1's draft): rewrites them at full depth, in its C call
-    before its read, and before any full-depth read after p
+Why reading this cache gives every schedule AR's result, with no rollback. A row at p reads columns
+0..p of its slots. The wavefront runs it at depth d after the rows before it wrote their depth-d
+keys (they started earlier: deeper on the diagonal), and it survives only if every row before it
+was accepted, so (by induction over positions) what it reads at columns < p is AR's. A wrong
+draft's keys are rewritten before a surviving row reads them; in wfd.py's trace (the draft of p+2
+wrong):
+    R calls 5, 6  the row at p+2 writes column p+2 of depths 0 and 1, from the wrong token
+    after call 6  the verify rejects it: it is dropped, with the draft read from it, before any
+                  row at p+3 starts
+    R calls 7, 8  the restarted row at p+2 rewrites column p+2 of depths 0 and 1
+    R calls 9, 10 the row at p+3 reads them (at depths 0 and 1): the rewritten keys
+The prelude's column p: a restarted row's P call rewrites it before any later row's P call. The
+coda's column p (C calls read at full depth in position order): a draft read of p writes depth-k
+coda keys there, which a draft read of p + 1 may read (its draft changes, not exactness); p's
+full-depth read rewrites them in its own C call, before any full-depth read after p.
 """
 from typing import NamedTuple
 
@@ -58,24 +57,22 @@ class KVCache:
         return sum(t.nbytes for t in vars(self).values() if torch.is_tensor(t))
 
     def prepare(self, call):
-        """Once per call (models.LoopedLM._layers; call: a models.Call, the rows' positions and
-        depths: one per row (R), or None (P, C)): its rows grouped by depth, the host reading
-        their positions and depths once."""
+        """The call's rows grouped by depth (R: a group per depth; P, C: one group), made once
+        per call by models.LoopedLM._layers for every layer's `attend`; call: a models.Call. The
+        host reads the rows' positions and depths here, once a call."""
         pos = call.pos.tolist()
         depth = call.depth.tolist() if torch.is_tensor(call.depth) else [call.depth] * len(pos)
         groups = {}
         for i, (p, d) in enumerate(zip(pos, depth)):
             groups.setdefault(d, []).append(i)
-        device = call.pos.device
-        return [Group(d, torch.tensor(index, device=device), call.pos[index],
+        return [Group(d, torch.tensor(index, device=call.pos.device), call.pos[index],
                       max(pos[i] for i in index)) for d, index in groups.items()]
 
     def attend(self, groups, layer, q, k, v):
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
-        depth's slot, then attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA
-        call per group (`prepare`), after all writes: rows of one call see each other's keys (DtV's
-        verify, the prefill). A wavefront R call: one batch for the matmuls, but ceil(T / k) rows
-        at different depths, one SDPA call each (the engine's one: engine/kv_cache.py)."""
+        depth's slot; after all writes (rows of one call see each other's keys: the prefill, DtV's
+        verify), attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA call per
+        group: ceil(T / k) of them in a wavefront R call (engine/kv_cache.py makes one)."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -96,49 +93,52 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule, not the paper's (lossy r mod s; both in
-    docs/shared-kv.md). A row at position p >= `prompt` and depth d reads the depth-d keys of the
-    W = `window` positions p - W < q <= p and the last depth's (T - 1) before; the prompt's rows,
-    prefilled a depth at a time, read their own depth. WFD under it is AR under it (another model
-    than the full cache's): the window holds every position unfinished when p starts (W >=
-    ceil(T / k), which generate checks); older ones are finished, as AR leaves them.
-    It keeps per looped layer the last depth at every position (slot(j, 0)), and per depth d < T - 1
-    a ring of max(W, 2W - 2) entries (a restarted row at p reads back to p - W + 1, the dropped rows
-    wrote up to p + W - 2); depth T - 1 needs none (a row runs R from T - 1 after its draft was
-    checked, and is never dropped then). Bytes: ((L + Lp + Lc) * C + (T - 1) * L * ring) * Hkv * hd
-    * 2 * itemsize (C = capacity): on README's demo run (C = 136, L = 2, T = 4, W = 2, Hkv = 2,
-    hd = 64, float32) 290,816, `KV 0.3 MiB` (KVCache: 1,114,112, `KV 1.1 MiB`)."""
+    """Cross-recurrence sharing by this project's rule (the paper's, slot r mod s, is lossy; both in
+    docs/shared-kv.md). A row at p >= `prompt` and depth d reads depth d's keys at the W = `window`
+    positions p - W < q <= p, and the last depth's (T - 1) before them; the prompt's rows, prefilled
+    a depth at a time, read their own depth. WFD under it is AR under it (another model than the
+    full cache's): when p starts, every position not yet at depth T is within W of it (W >=
+    ceil(T / k), which generate checks), and older ones are at T, as AR leaves them.
+    It keeps, per looped layer, the last depth at every position (in self.k: one looped slot per
+    layer, depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring: a
+    row restarted at p reads p - W + 1..p, and the rows dropped with its draft wrote to p + W - 2,
+    so those 2W - 2 positions need distinct entries (T = 3, k = 1, W = 3: a ring of 3 would hold
+    p + 1 where the restarted row reads p - 2). Depth T - 1 needs no ring: a row runs R from T - 1
+    only after its draft was checked, and is never dropped then. On README's demo run (capacity
+    136, W = 2, float32): 290,816 bytes, `KV 0.3 MiB` (KVCache: 1,114,112, `KV 1.1 MiB`)."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps, depths=1)
         self.window, self.prompt, self.ring = window, prompt, max(window, 2 * window - 2)
         ring = ((num_steps - 1) * self.n_core, self.k.shape[1], self.ring, self.k.shape[3])
-        self.ring_k = self.k.new_zeros(ring)  # ring_k[d * L + j]: looped layer j at depth d
+        self.ring_k = self.k.new_zeros(ring)  # ring_k[slot(j, d)]: looped layer j at depth d
         self.ring_v = torch.zeros_like(self.ring_k)
 
     def attend(self, groups, layer, q, k, v):
         """KVCache.attend by the rule at a looped layer: the prefill's group (positions 0..n-1)
         attends causally over its own keys, writing the ring's last `ring` positions (no entry
-        twice); a decode row (one a group) reads last-depth columns 0..p - W, ring p - W + 1..p."""
+        twice); a decode row (one a group: the wavefront's rows sit at distinct depths) reads the
+        last depth's columns 0..p - W and its ring's p - W + 1..p."""
         if layer >= self.n_core:  # the prelude's and coda's slots
             return super().attend(groups, layer, q, k, v)
-        last, T = self.slot(layer, 0), self.num_steps
+        last_depth, T = self.slot(layer, 0), self.num_steps  # self.k's one slot of the layer
         for g in groups:
             keys, values = k[g.index].transpose(0, 1), v[g.index].transpose(0, 1)
             if g.depth == T - 1:
-                self.k[last, :, g.pos], self.v[last, :, g.pos] = keys, values
+                self.k[last_depth, :, g.pos], self.v[last_depth, :, g.pos] = keys, values
             else:
-                r, kept = g.depth * self.n_core + layer, slice(-self.ring, None)
+                r, kept = self.slot(layer, g.depth), slice(-self.ring, None)
                 self.ring_k[r, :, g.pos[kept] % self.ring] = keys[:, kept]
                 self.ring_v[r, :, g.pos[kept] % self.ring] = values[:, kept]
         if groups[0].max_pos < self.prompt:  # the prefill: one group, positions 0..n-1
             return causal_attention(q, k, v)
         y = torch.empty_like(q)
         for g in groups:
+            assert len(g.index) == 1, "a decode group of the shared cache is one row"
             p = g.max_pos
-            keys, values = self.k[last, :, :p + 1], self.v[last, :, :p + 1]
+            keys, values = self.k[last_depth, :, :p + 1], self.v[last_depth, :, :p + 1]
             if g.depth < T - 1:
-                edge, r = max(p - self.window + 1, 0), g.depth * self.n_core + layer
+                edge, r = max(p - self.window + 1, 0), self.slot(layer, g.depth)
                 ring = torch.arange(edge, p + 1, device=q.device) % self.ring
                 keys = torch.cat([keys[:, :edge], self.ring_k[r, :, ring]], dim=1)
                 values = torch.cat([values[:, :edge], self.ring_v[r, :, ring]], dim=1)

@@ -182,9 +182,9 @@ class LoopedLM(nn.Module):
 
     # -- the three calls --------------------------------------------------------------------------
     # pos: int64 [N] on the model's device; depth: int64 [N], each row's, or an int for all (R);
-    # cache: a kv.KVCache, or None for a causal pass over 0..N-1. The bodies (p_body, r_body,
-    # c_state and head: the device work, which the engine calls with Calls of its own), `inject`,
-    # the value embeddings and `rope` are the families' plumbing: a first read skips to `_layers`.
+    # cache: a kv.KVCache, or None for a causal pass over 0..N-1. Each wraps a body (p_body, r_body,
+    # c_state and head: the device work, which the engine calls with Calls of its own). R's path,
+    # r_body -> _layers, is the method's; the rest of the bodies is the families' plumbing.
 
     def P(self, ids, pos, cache=None):
         """Start rows: (s0, e), their initial state and e (e None where R reads no e: Ouro,
@@ -193,9 +193,9 @@ class LoopedLM(nn.Module):
 
     def R(self, s, e, pos, depth, cache=None, num_steps=None):
         """One recurrence for every row, each at its own depth (which only attention and
-        LoopFormer's clock read): r_body runs the core's blocks over the [rows, D] batch through
-        `_layers`. num_steps: the full depth T of the schedule the rows follow (default: the
-        cache's, else the model's), on which LoopFormer's clock runs."""
+        LoopFormer's clock read). r_body: e injected (Huginn, Parcae), then `_layers` runs the
+        core's blocks over the [N, D] batch, then Ouro's norm. num_steps: the full depth T of the
+        schedule the rows follow (default: the cache's, else the model's): LoopFormer's clock."""
         clock = None
         if self.clock is not None:
             clock = self.clock_table(num_steps or getattr(cache, "num_steps", self.num_steps))

@@ -71,7 +71,8 @@ class Sequence:
                  on_token=None, keep_logits=False):
         self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
         self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
-        # new tokens go at len..len+N-1; the last is read from the row at len+N-2, the last row
+        # the last row that computes a kept token (a row at p reads p + 1's): a prompt of 5 tokens
+        # and N = 3 new ones at 5, 6, 7 (5 read from the prefill's row at 4): rows 5, 6; last_pos 6
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
@@ -139,8 +140,7 @@ def wavefront(seq, k):
         # at k = T the depth-k read is the verify's own: nothing to draft
         drafting = k < seq.num_steps and newest.depth == k and not at_last
         # one C call: out[0] the verify's read, out[-1] the draft's (made before the verify decides,
-        # dropped on a rejection). A C call writes its position's coda keys too (the coda attends):
-        # a draft read leaves depth-k coda keys, which change only later drafts (kv.py 25-32)
+        # dropped on a rejection)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
         out = (yield Read(reading)) if reading else []
         if verifying:
@@ -161,7 +161,6 @@ def draft_then_verify(seq, k, draft_len):
     """Phase-separated rounds: draft up to draft_len tokens one after another from depth k, bring
     all the round's rows from depth k to T together, keep the longest verified prefix plus the
     full-depth token after it (a correction, or a bonus when every draft matched)."""
-    T = seq.num_steps
     while True:
         rows, token = [], seq.tokens[-1]
         while True:
@@ -171,7 +170,7 @@ def draft_then_verify(seq, k, draft_len):
             if len(rows) > draft_len or rows[-1].pos == seq.last_pos:
                 break
             token = seq.draft(rows[-1], (yield Read(rows[-1:]))[0])
-        for _ in range(T - k):
+        for _ in range(seq.num_steps - k):
             yield Advance(rows)
         for row, nxt, target in zip(rows, rows[1:] + [None], (yield Read(rows))):
             rejected = nxt is not None and not seq.verify(nxt, target)
@@ -203,8 +202,10 @@ class Loop:
         return seq.commit(Readout(int(logits.argmax()), logits))
 
     def advance(self, seq, rows):
-        """P of the rows started since the last R call (why here: Sequence.start), then one R call:
-        `rows`' states stacked into one batch for model.R, with each row's position and depth."""
+        """P of the rows started since the last R call (why here: Sequence.start), then one R
+        call on `rows`' states stacked into one [N, D] batch, each row with its position and depth:
+        model.R -> r_body -> _layers runs each block's matmuls on the N rows at once, its attention
+        through kv.KVCache.attend (each row's keys written in its depth's slot; SDPA per depth)."""
         if seq.starting:
             s, e = self.model.P(self.tensor([r.token for r in seq.starting]),
                                 self.tensor([r.pos for r in seq.starting]), self.cache)
@@ -255,9 +256,8 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
              keep_logits=False):
     """Greedy decoding of one prompt (token ids) by `method`: Generation(tokens, stats, logits).
     T = num_steps, k = draft_steps; eos_token_id: one id or several; kv="shared": kv.SharedKVCache,
-    its rows reading their own depth at the `window` positions up to theirs (default ceil(T / k));
-    draft_hook: Sequence.draft; on_token(token) at each commit. Every method gives its AR's tokens
-    (tested in float64 and float32; float32 logits differ by up to about 1e-5: README)."""
+    its `window` by default ceil(T / k); draft_hook: Sequence.draft; on_token(token) at each commit.
+    Every method gives its AR's tokens (tested in float64 and float32; float32's logits: README)."""
     T = model.num_steps if num_steps is None else num_steps
     k = default_draft_steps(model, num_steps) if draft_steps is None else draft_steps
     if method not in ("ar", "wfd", "dtv"):
