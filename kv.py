@@ -15,24 +15,27 @@ keys. Every slot is a static buffer written by absolute position:
 
 Why reading this cache gives every schedule AR's result, with no rollback. A row at p reads columns
 0..p of its slots. The wavefront runs it at depth d after the rows before it wrote their depth-d
-keys (they started earlier: deeper on the diagonal), and it survives only if every row before it
-was accepted, so (by induction over positions) what it reads at columns < p is AR's. A wrong
-draft's keys are rewritten before a surviving row reads them; in wfd.py's trace (the draft of p+2
-wrong):
+keys (they started earlier: deeper on the diagonal), and it survives only if every row before it was
+accepted, so (by induction over positions) what it reads at columns < p is AR's. A wrong draft at p
+drops the rows at p and after, which wrote only at columns >= p; the row that restarts at p is
+deeper than every later row (it starts first), so it rewrites column p of each depth before a later
+row reads it. In wfd.py's trace (the draft of p+2 wrong):
     R calls 5, 6  the row at p+2 writes column p+2 of depths 0 and 1, from the wrong token
-    after call 6  the verify rejects it: it is dropped, with the draft read from it, before any
-                  row at p+3 starts
+    after call 6  the verify rejects it: it is dropped (with the draft read from it: no row at p+3)
     R calls 7, 8  the restarted row at p+2 rewrites column p+2 of depths 0 and 1
     R calls 9, 10 the row at p+3 reads them (at depths 0 and 1): the rewritten keys
 The prelude's column p: a restarted row's P call rewrites it before any later row's P call. The
-coda's column p (C calls read at full depth in position order): a draft read of p writes depth-k
-coda keys there, which a draft read of p + 1 may read (its draft changes, not exactness); p's
-full-depth read rewrites them in its own C call, before any full-depth read after p.
+coda's column p (Huginn, Parcae and the retrofits have a coda), in C calls, whose full-depth reads
+go in position order: a draft read of p writes depth-k coda keys there, which a draft read of p + 1
+may read (its draft changes, not exactness); p's full-depth read rewrites them in its own C call,
+before any full-depth read after p.
 """
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from layers.transformer import causal_attention
 
 
 class Group(NamedTuple):
@@ -61,7 +64,7 @@ class KVCache:
         per call by models.LoopedLM._layers for every layer's `attend`; call: a models.Call. The
         host reads the rows' positions and depths here, once a call."""
         pos = call.pos.tolist()
-        depth = call.depth.tolist() if torch.is_tensor(call.depth) else [call.depth] * len(pos)
+        depth = call.depth.tolist() if torch.is_tensor(call.depth) else [None] * len(pos)  # P, C
         groups = {}
         for i, (p, d) in enumerate(zip(pos, depth)):
             groups.setdefault(d, []).append(i)
@@ -72,7 +75,8 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
         depth's slot; after all writes (rows of one call see each other's keys: the prefill, DtV's
         verify), attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA call per
-        group: ceil(T / k) of them in a wavefront R call (engine/kv_cache.py makes one)."""
+        group. A wavefront R call has one row per depth: its matmuls are one batch, its attention
+        one SDPA call a row."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -93,19 +97,22 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule (the paper's, slot r mod s, is lossy; both in
-    docs/shared-kv.md). A row at p >= `prompt` and depth d reads depth d's keys at the W = `window`
-    positions p - W < q <= p, and the last depth's (T - 1) before them; the prompt's rows, prefilled
-    a depth at a time, read their own depth. WFD under it is AR under it (another model than the
-    full cache's): when p starts, every position not yet at depth T is within W of it (W >=
-    ceil(T / k), which generate checks), and older ones are at T, as AR leaves them.
-    It keeps, per looped layer, the last depth at every position (in self.k: one looped slot per
-    layer, depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring: a
-    row restarted at p reads p - W + 1..p, and the rows dropped with its draft wrote to p + W - 2,
-    so those 2W - 2 positions need distinct entries (T = 3, k = 1, W = 3: a ring of 3 would hold
-    p + 1 where the restarted row reads p - 2). Depth T - 1 needs no ring: a row runs R from T - 1
-    only after its draft was checked, and is never dropped then. On README's demo run (capacity
-    136, W = 2, float32): 290,816 bytes, `KV 0.3 MiB` (KVCache: 1,114,112, `KV 1.1 MiB`)."""
+    """Cross-recurrence sharing by this project's rule (docs/shared-kv.md). The paper's: depth r
+    reads and writes slot r mod s, whose column q holds the last depth q's row wrote: in AR q is
+    finished, in the wavefront q may be in flight, so they read other keys (lossy, and WFD != AR).
+    This rule: a row at p >= `prompt` and depth d reads depth d's keys at the W = `window` positions
+    p - W < q <= p, and the last depth's (T - 1) before them (the prompt's rows read their own
+    depth). WFD under it is AR under it: the rows in flight, ceil(T / k) <= W (generate checks it),
+    lie within W of p and, deeper, have written depth d; older positions are finished, as in AR. It
+    is another model than the full cache's: before the window it reads depth T - 1 where the full
+    cache reads d.
+    Memory, per looped layer: the last depth at every position (self.k, one looped slot a layer:
+    depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring. A row
+    restarted at p reads p - W + 1..p, and the rows dropped with it wrote up to p + W - 2: those
+    2W - 2 positions need an entry each (T = 3, k = 1, W = 3: rows p and p + 1 dropped; a ring of 3
+    would put p + 1's depth-0 keys where the restart reads p - 2's). Depth T - 1 needs no ring: a
+    row runs R from T - 1 after its draft was checked, never dropped then. On README's demo run
+    (capacity 136, W = 2, float32): 290,816 bytes, `KV 0.3 MiB` (KVCache: 1,114,112 bytes)."""
 
     def __init__(self, model, capacity, num_steps, window, prompt):
         super().__init__(model, capacity, num_steps, depths=1)
@@ -116,9 +123,9 @@ class SharedKVCache(KVCache):
 
     def attend(self, groups, layer, q, k, v):
         """KVCache.attend by the rule at a looped layer: the prefill's group (positions 0..n-1)
-        attends causally over its own keys, writing the ring's last `ring` positions (no entry
-        twice); a decode row (one a group: the wavefront's rows sit at distinct depths) reads the
-        last depth's columns 0..p - W and its ring's p - W + 1..p."""
+        attends causally over its own keys and writes the ring's last `ring` positions only (one
+        write must not name an entry twice); a decode group is one row (the wavefront's rows sit
+        at distinct depths), which reads the last depth's columns 0..p - W, its ring's the rest."""
         if layer >= self.n_core:  # the prelude's and coda's slots
             return super().attend(groups, layer, q, k, v)
         last_depth, T = self.slot(layer, 0), self.num_steps  # self.k's one slot of the layer
@@ -151,10 +158,3 @@ def attention(q, keys, values, seen=None):
     return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                           attn_mask=seen, enable_gqa=True)[0].transpose(0, 1)
 
-
-def causal_attention(q, k, v):
-    """Attention of positions 0..N-1 among themselves (q, k, v [..., N, heads, hd]): the full
-    forward without a cache, and the engine's prefill. 4-D, so that SDPA's fused kernels take it."""
-    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]).transpose(1, 2) for t in (q, k, v))  # [B, H, N, hd]
-    y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
-    return y.transpose(1, 2).reshape(q.shape)

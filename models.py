@@ -33,9 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from formats import checkpoints, configs, devices
-from kv import causal_attention
 from layers.noise import mix32, seed_key, truncated_normal
-from layers.transformer import Block, Clock, DiagonalInjection, rms_norm, rope_table
+from layers.transformer import (Block, Clock, DiagonalInjection, causal_attention, rms_norm,
+                                rope_table)
 
 S0_STREAM = 0x85EBCA6B  # keeps the initial state's noise apart from sampling's for the same seed
 

@@ -20,6 +20,9 @@ rows as position:depth after it; p+2's input token, the draft, is wrong:
     R call 6  p+1:4 p+2:2  C reads p+1 and p+2: p+1's read is not p+2's input token: commit the
                            read, drop p+2 and the draft just read from it
     R call 7  p+2:1        p+2 restarts from depth 0, with p+1's read as its input token
+    R call 8  p+2:2        C reads p+2: a draft
+    R call 9  p+2:3 p+3:1
+    R call 10 p+2:4 p+3:2  C reads p+2, p+3; p+2 commits T = 4 calls after p+1, p+1 k = 2 after p
 """
 import numbers
 import time
@@ -127,18 +130,17 @@ def autoregressive(seq):
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that reads the oldest row if
     at depth T (AR's next token: it checks the next row's draft and is committed) and the newest if
-    at depth k, to draft: both, one or neither. A row starts every k ticks: ceil(T / k) rows in
-    flight, at depths T, T - k, ... after the R call; it commits k ticks after the row before it if
-    accepted (rate a), else T ticks: a*k + (1-a)*T R calls a token."""
+    at depth k, to draft: both, one or neither. A row starts as the one before it reaches depth k:
+    ceil(T / k) rows in flight, k depths apart. A row commits k ticks after the one before it if its
+    draft is accepted (rate a), else T (the trace above): a*k + (1-a)*T R calls a token."""
     # the prefill committed tokens[0], read at the prompt's last position
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:
         yield Advance(rows)  # the executor raises every row's depth by one (Loop.advance)
         oldest, newest = rows[0], rows[-1]
         verifying = oldest.depth == seq.num_steps
-        at_last = newest.pos >= seq.last_pos  # a row after last_pos would compute no kept token
-        # at k = T the depth-k read is the verify's own: nothing to draft
-        drafting = k < seq.num_steps and newest.depth == k and not at_last
+        # k = T: the depth-k read is the verify's own; a row after last_pos computes no kept token
+        drafting = k < seq.num_steps and newest.depth == k and newest.pos < seq.last_pos
         # one C call: out[0] the verify's read, out[-1] the draft's (made before the verify decides,
         # dropped on a rejection)
         reading = ([oldest] if verifying else []) + ([newest] if drafting else [])
@@ -158,9 +160,8 @@ def wavefront(seq, k):
 
 
 def draft_then_verify(seq, k, draft_len):
-    """Phase-separated rounds: draft up to draft_len tokens one after another from depth k, bring
-    all the round's rows from depth k to T together, keep the longest verified prefix plus the
-    full-depth token after it (a correction, or a bonus when every draft matched)."""
+    """Rounds: draft up to draft_len tokens one by one from depth k, take the round's rows from k
+    to T together, keep the verified prefix and the full-depth token after it (a fix or a bonus)."""
     while True:
         rows, token = [], seq.tokens[-1]
         while True:
@@ -293,8 +294,7 @@ def generate(model, prompt_ids, max_new_tokens, *, method="wfd", num_steps=None,
             loop.run(seq, schedule(seq))
     verified, n, wall = seq.stats["verified"], len(seq.tokens), time.perf_counter() - t0
     seq.stats.update(method=method, num_steps=T, draft_steps=k if method != "ar" else T, kv=kv,
-                     window=window if kv == "shared" else None, kv_bytes=cache.nbytes,
-                     tokens=n, r_calls_per_token=seq.stats["r_calls"] / n, wall_s=wall,
-                     tokens_per_s=n / wall,
+                     window=window if kv == "shared" else None, kv_bytes=cache.nbytes, tokens=n,
+                     r_calls_per_token=seq.stats["r_calls"] / n, wall_s=wall, tokens_per_s=n / wall,
                      acceptance=seq.stats["accepted"] / verified if verified else float("nan"))
     return Generation(seq.tokens, seq.stats, seq.logits)

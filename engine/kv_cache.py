@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine.compiling import sums_written_out
 from engine.siblings import Patch, redirect
-from kv import causal_attention
+from layers.transformer import causal_attention
 
 BLOCK = 256  # keys per attention block: a GPU's split-KV tile, and enough for a short CPU run
 

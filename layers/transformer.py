@@ -182,3 +182,11 @@ class Clock(nn.Module):
         freqs = torch.exp(-math.log(10000) * i / half)
         angles = tau[:, None].float() * freqs[None]
         return torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.time[0].weight.dtype)
+
+
+def causal_attention(q, k, v):
+    """Attention of positions 0..N-1 among themselves (q, k, v [..., N, heads, hd]): the full
+    forward without a cache, and the engine's prefill. 4-D, so that SDPA's fused kernels take it."""
+    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]).transpose(1, 2) for t in (q, k, v))  # [B, H, N, hd]
+    y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    return y.transpose(1, 2).reshape(q.shape)

@@ -16,7 +16,7 @@ import engine
 import models
 from formats import checkpoints
 from layers import transformer
-from kv import causal_attention
+from layers.transformer import causal_attention
 from test_engine import (GENERATION, GOLDEN, HERE, TOL, cached_greedy, close, golden, loaded,
                          recurrence_states)
 
