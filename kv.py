@@ -14,21 +14,19 @@ keys. Every slot is a static buffer written by absolute position:
     column p                    position p's key, written by the row at position p
 
 Why reading this cache gives every schedule AR's result, with no rollback. A row at p reads columns
-0..p of its slots. The wavefront runs it at depth d after the rows before it wrote their depth-d
-keys (they started earlier: deeper on the diagonal), and it survives only if every row before it was
-accepted, so (by induction over positions) what it reads at columns < p is AR's. A wrong draft at p
-drops the rows at p and after, which wrote only at columns >= p; the row that restarts at p is
-deeper than every later row (it starts first), so it rewrites column p of each depth before a later
-row reads it. In wfd.py's trace (the draft of p+2 wrong):
+0..p of its slots, some written by rows not yet verified; but a row survives only if every row
+before it was accepted, so (by induction over positions) what a surviving row read is AR's. The
+wavefront runs a row at depth d after the rows before it wrote their depth-d keys (they started
+earlier: deeper on the diagonal). A wrong draft at p drops the rows at p and after, which wrote only
+at columns >= p; the row that restarts at p starts before every later row, so it rewrites column p
+of each depth before a later row reads it. In wfd.py's trace (p+2's draft wrong):
     R calls 5, 6  the row at p+2 writes column p+2 of depths 0 and 1, from the wrong token
     after call 6  the verify rejects it: it is dropped (with the draft read from it: no row at p+3)
     R calls 7, 8  the restarted row at p+2 rewrites column p+2 of depths 0 and 1
     R calls 9, 10 the row at p+3 reads them (at depths 0 and 1): the rewritten keys
-The prelude's column p: a restarted row's P call rewrites it before any later row's P call. The
-coda's column p (Huginn, Parcae and the retrofits have a coda), in C calls, whose full-depth reads
-go in position order: a draft read of p writes depth-k coda keys there, which a draft read of p + 1
-may read (its draft changes, not exactness); p's full-depth read rewrites them in its own C call,
-before any full-depth read after p.
+The prelude's column p: a restarted row's P call rewrites it first. The coda's (Huginn, Parcae, the
+retrofits): a draft read of p writes depth-k coda keys, which only draft reads see before p's full-
+depth read rewrites them (full-depth reads go in position order).
 """
 from typing import NamedTuple
 
@@ -64,7 +62,7 @@ class KVCache:
         per call by models.LoopedLM._layers for every layer's `attend`; call: a models.Call. The
         host reads the rows' positions and depths here, once a call."""
         pos = call.pos.tolist()
-        depth = call.depth.tolist() if torch.is_tensor(call.depth) else [None] * len(pos)  # P, C
+        depth = [None] * len(pos) if call.depth is None else call.depth.tolist()  # None: P, C
         groups = {}
         for i, (p, d) in enumerate(zip(pos, depth)):
             groups.setdefault(d, []).append(i)
@@ -75,8 +73,8 @@ class KVCache:
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
         depth's slot; after all writes (rows of one call see each other's keys: the prefill, DtV's
         verify), attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA call per
-        group. A wavefront R call has one row per depth: its matmuls are one batch, its attention
-        one SDPA call a row."""
+        group. A wavefront R call's rows sit k depths apart, one a depth: its matmuls are one
+        batch, its attention one SDPA call a row."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -89,23 +87,24 @@ class KVCache:
         return y
 
     def slot(self, layer, depth):
-        """The slot of layer id `layer` at `depth` (None in P and C). Layer ids, assigned in
-        models.LoopedLM.__init__: the looped layers 0..L-1 (L = n_core), then prelude, then coda."""
+        """The slot of layer id `layer` (Block.layer_id: the looped layers 0..L-1, L = n_core, then
+        the prelude's, then the coda's) at `depth` (None in P and C)."""
         if layer < self.n_core:
             return depth * self.n_core + layer
         return self.depth_slots + layer - self.n_core
 
 
 class SharedKVCache(KVCache):
-    """Cross-recurrence sharing by this project's rule (docs/shared-kv.md). The paper's: depth r
-    reads and writes slot r mod s, whose column q holds the last depth q's row wrote: in AR q is
-    finished, in the wavefront q may be in flight, so they read other keys (lossy, and WFD != AR).
-    This rule: a row at p >= `prompt` and depth d reads depth d's keys at the W = `window` positions
-    p - W < q <= p, and the last depth's (T - 1) before them (the prompt's rows read their own
-    depth). WFD under it is AR under it: the rows in flight, ceil(T / k) <= W (generate checks it),
-    lie within W of p and, deeper, have written depth d; older positions are finished, as in AR. It
-    is another model than the full cache's: before the window it reads depth T - 1 where the full
-    cache reads d.
+    """Cross-recurrence sharing by this project's rule (docs/shared-kv.md). The paper's, not here:
+    depth r reads and writes slot r mod s, so (T = 4, s = 2) depths 1 and 3 share slot 1, where a
+    row at depth 1 finds depth 1's keys of a position still in flight (WFD) but depth 3's of a
+    finished one (AR): WFD is not AR under it.
+    This rule: a row at p >= `prompt_len` and depth d reads depth d's keys at the W = `window`
+    positions p - W < q <= p, and the last depth's (T - 1) before them (the prompt's rows read their
+    own depth). WFD under it is AR under it: the rows in flight, ceil(T / k) <= W (generate checks
+    it), lie within W of p and, deeper, have written depth d; older positions are finished, as in
+    AR. It is another model than the full cache's: before the window it reads depth T - 1 where that
+    reads d.
     Memory, per looped layer: the last depth at every position (self.k, one looped slot a layer:
     depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring. A row
     restarted at p reads p - W + 1..p, and the rows dropped with it wrote up to p + W - 2: those
@@ -114,11 +113,11 @@ class SharedKVCache(KVCache):
     row runs R from T - 1 after its draft was checked, never dropped then. On README's demo run
     (capacity 136, W = 2, float32): 290,816 bytes, `KV 0.3 MiB` (KVCache: 1,114,112 bytes)."""
 
-    def __init__(self, model, capacity, num_steps, window, prompt):
+    def __init__(self, model, capacity, num_steps, window, prompt_len):
         super().__init__(model, capacity, num_steps, depths=1)
-        self.window, self.prompt, self.ring = window, prompt, max(window, 2 * window - 2)
+        self.window, self.prompt_len, self.ring = window, prompt_len, max(window, 2 * window - 2)
         ring = ((num_steps - 1) * self.n_core, self.k.shape[1], self.ring, self.k.shape[3])
-        self.ring_k = self.k.new_zeros(ring)  # ring_k[slot(j, d)]: looped layer j at depth d
+        self.ring_k = self.k.new_zeros(ring)  # ring_k[d * L + j]: looped layer j at depth d
         self.ring_v = torch.zeros_like(self.ring_k)
 
     def attend(self, groups, layer, q, k, v):
@@ -128,16 +127,17 @@ class SharedKVCache(KVCache):
         at distinct depths), which reads the last depth's columns 0..p - W, its ring's the rest."""
         if layer >= self.n_core:  # the prelude's and coda's slots
             return super().attend(groups, layer, q, k, v)
-        last_depth, T = self.slot(layer, 0), self.num_steps  # self.k's one slot of the layer
+        # self.k's looped slots are one a layer (depths=1): layer's holds its last depth, T - 1
+        last_depth, T, ring_of = layer, self.num_steps, lambda depth: depth * self.n_core + layer
         for g in groups:
             keys, values = k[g.index].transpose(0, 1), v[g.index].transpose(0, 1)
             if g.depth == T - 1:
                 self.k[last_depth, :, g.pos], self.v[last_depth, :, g.pos] = keys, values
             else:
-                r, kept = self.slot(layer, g.depth), slice(-self.ring, None)
+                r, kept = ring_of(g.depth), slice(-self.ring, None)
                 self.ring_k[r, :, g.pos[kept] % self.ring] = keys[:, kept]
                 self.ring_v[r, :, g.pos[kept] % self.ring] = values[:, kept]
-        if groups[0].max_pos < self.prompt:  # the prefill: one group, positions 0..n-1
+        if groups[0].max_pos < self.prompt_len:  # the prefill: one group, positions 0..n-1
             return causal_attention(q, k, v)
         y = torch.empty_like(q)
         for g in groups:
@@ -145,7 +145,7 @@ class SharedKVCache(KVCache):
             p = g.max_pos
             keys, values = self.k[last_depth, :, :p + 1], self.v[last_depth, :, :p + 1]
             if g.depth < T - 1:
-                edge, r = max(p - self.window + 1, 0), self.slot(layer, g.depth)
+                edge, r = max(p - self.window + 1, 0), ring_of(g.depth)
                 ring = torch.arange(edge, p + 1, device=q.device) % self.ring
                 keys = torch.cat([keys[:, :edge], self.ring_k[r, :, ring]], dim=1)
                 values = torch.cat([values[:, :edge], self.ring_v[r, :, ring]], dim=1)

@@ -226,8 +226,8 @@ class LoopedLM(nn.Module):
 
     def r_body(self, s, e, call):
         x = self.inject(s, e) if self.args.inject else s
-        mod = None if call.clock is None else call.clock[call.depth]  # [(N,) L, 4D]
-        x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)
+        mod = None if call.clock is None else call.clock[call.depth]  # LoopFormer: [(N,) L, 4D]
+        x = self._layers(self.core, x, call, self.stored_value_embeddings(e), mod)  # ve: Parcae
         return rms_norm(x, self.norm, self.args.norm_eps) if self.args.norm_each_step else x
 
     def c_state(self, s, e, call):
@@ -277,7 +277,7 @@ class LoopedLM(nn.Module):
         prepared = None if cache is None else cache.prepare(call)
         for j, blk in enumerate(blocks):
             # the block does not know the cache: it attends through this function of (q, k, v);
-            # blk.layer_id (numbered in __init__) picks its KV slots (kv.KVCache.slot)
+            # blk.layer_id picks its KV slots (kv.KVCache.slot: looped layers, prelude, coda)
             attend = (causal_attention if prepared is None
                       else partial(cache.attend, prepared, blk.layer_id))
             # forward itself: the hooks nn.Module's call would look for cost more than a layer's

@@ -41,7 +41,7 @@ class Row:
     """One position at one depth: the unit a schedule moves. Its state lives with the executor."""
     pos: int                 # the position of its input token; its read chooses pos + 1's
     token: int               # the token it reads in: committed, or a draft
-    depth: int = 0           # R calls done, 0..T; no KV slot for depth T: no R call starts there
+    depth: int = 0           # R calls done, 0..T
 
 
 class Advance(NamedTuple):
@@ -74,8 +74,7 @@ class Sequence:
                  on_token=None, keep_logits=False):
         self.prompt, self.max_new_tokens, self.num_steps = prompt, max_new_tokens, num_steps
         self.stop, self.draft_hook, self.on_token = stop, draft_hook, on_token
-        # the last row that computes a kept token (a row at p reads p + 1's): a prompt of 5 tokens
-        # and N = 3 new ones at 5, 6, 7 (5 read from the prefill's row at 4): rows 5, 6; last_pos 6
+        # the last row: a row at p reads p + 1's token; the N new tokens end at len(prompt) + N - 1
         self.last_pos = len(prompt) + max_new_tokens - 2
         self.tokens, self.logits = [], ([] if keep_logits else None)
         self.starting = []  # the rows its next P call starts
@@ -130,9 +129,10 @@ def autoregressive(seq):
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that reads the oldest row if
     at depth T (AR's next token: it checks the next row's draft and is committed) and the newest if
-    at depth k, to draft: both, one or neither. A row starts as the one before it reaches depth k:
-    ceil(T / k) rows in flight, k depths apart. A row commits k ticks after the one before it if its
-    draft is accepted (rate a), else T (the trace above): a*k + (1-a)*T R calls a token."""
+    at depth k, to draft: both, one or neither. A row starts as the one before it reaches depth k,
+    so the rows lie on a diagonal, k depths apart: when the oldest reaches T, the others are at
+    T - k, T - 2k, ... >= 1, ceil(T / k) rows in all. A row commits k ticks after the one before it
+    if its draft is accepted (rate a), else T (the trace above): a*k + (1-a)*T R calls a token."""
     # the prefill committed tokens[0], read at the prompt's last position
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:

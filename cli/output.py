@@ -78,8 +78,9 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24, seco
         later = set(keys[t + 1].values()) if t + 1 < len(trace) else None
         note = {what: set(tick.get(what, ())) for what in marks}
         for pos, depth, rid, token in tick["rows"]:
+            at = pos - first_pos  # p: the first new token's position, as in wfd.py's trace
             line = lines.setdefault(keys[t][rid], dict(
-                name=f"#{pos - first_pos + 1:<3} {label(token)}", cells={}))
+                name=f"{'p' if at == 0 else f'p+{at}':<5} {label(token)}", cells={}))
             dropped = (later is not None and keys[t][rid] not in later and depth < num_steps
                        and rid not in note["rejected"])
             verdict = ("+" if rid in note["accepted"] else "^" if rid in note["rescued"] else
@@ -96,9 +97,8 @@ def draw_wavefront(trace, tokens, first_pos, num_steps, k, label, ticks=24, seco
     committed = sum(1 for tick in trace for pos, depth, _, _ in tick["rows"] if depth == num_steps)
     out += ["One column per R call (the looped block run once over a batch of rows), "
             "one line per row:",
-            "a new token's position, named by the token it reads in. "
-            "The number is the depth that row",
-            "reached in that call.",
+            "a new token's position (p: the prompt's length), named by the token it reads in. The",
+            "number is the depth that row reached in that call.",
             f"  d  read at the draft depth k={k}: its token is a draft, "
             "and the next position starts at once",
             f"  =  read at the full depth T={num_steps}: AR's token, committed; "
