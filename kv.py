@@ -16,17 +16,18 @@ keys. Every slot is a static buffer written by absolute position:
 Why reading this cache gives every schedule AR's result, with no rollback. A row at p reads columns
 0..p of its slots, some written by rows not yet verified; but a row survives only if every row
 before it was accepted, so (by induction over positions) what a surviving row read is AR's. The
-wavefront runs a row at depth d after the rows before it wrote their depth-d keys (they started
-earlier: deeper on the diagonal). A wrong draft at p drops the rows at p and after, which wrote only
-at columns >= p; the row that restarts at p starts before every later row, so it rewrites column p
-of each depth before a later row reads it. In wfd.py's trace (p+2's draft wrong):
+wavefront runs a row at depth d after the rows before it wrote their depth-d keys: in earlier R
+calls (deeper on the diagonal), or in its own, whose keys `attend` writes before any row reads. A
+wrong draft at p drops the rows at p and after, which wrote only at columns >= p; the row that
+restarts at p starts before every later row, so it rewrites column p of each depth before a later
+row reads it. In wfd.py's trace (p+2's draft wrong):
     R calls 5, 6  the row at p+2 writes column p+2 of depths 0 and 1, from the wrong token
     after call 6  the verify rejects it: it is dropped (with the draft read from it: no row at p+3)
     R calls 7, 8  the restarted row at p+2 rewrites column p+2 of depths 0 and 1
     R calls 9, 10 the row at p+3 reads them (at depths 0 and 1): the rewritten keys
-The prelude's column p: a restarted row's P call rewrites it first. The coda's (Huginn, Parcae, the
-retrofits): a draft read of p writes depth-k coda keys, which only draft reads see before p's full-
-depth read rewrites them (full-depth reads go in position order).
+Ouro has no prelude or coda. The prelude's column p: a restarted row's P call rewrites it first. The
+coda's: a draft read of p writes depth-k coda keys, which only draft reads see before p's full-depth
+read rewrites them (full-depth reads go in position order).
 """
 from typing import NamedTuple
 
@@ -58,9 +59,8 @@ class KVCache:
         return sum(t.nbytes for t in vars(self).values() if torch.is_tensor(t))
 
     def prepare(self, call):
-        """The call's rows grouped by depth (R: a group per depth; P, C: one group), made once
-        per call by models.LoopedLM._layers for every layer's `attend`; call: a models.Call. The
-        host reads the rows' positions and depths here, once a call."""
+        """A models.Call's rows grouped by depth (R: a group per depth; P, C: one), once a call
+        (models.LoopedLM._layers) for every layer's `attend`: the host reads the call here only."""
         pos = call.pos.tolist()
         depth = [None] * len(pos) if call.depth is None else call.depth.tolist()  # None: P, C
         groups = {}
@@ -71,10 +71,9 @@ class KVCache:
 
     def attend(self, groups, layer, q, k, v):
         """Write the call's keys and values (k, v [N, Hkv, hd]) at their rows' positions in their
-        depth's slot; after all writes (rows of one call see each other's keys: the prefill, DtV's
-        verify), attend each row (q [N, H, hd]) to its slot's columns 0..pos, one SDPA call per
-        group. A wavefront R call's rows sit k depths apart, one a depth: its matmuls are one
-        batch, its attention one SDPA call a row."""
+        depth's slot; after all writes (rows of one call see each other's: the prefill, DtV's
+        verify), attend each row (q [N, H, hd]) to its slot's columns 0..pos, an SDPA call a group
+        (a depth): in a wavefront R call, whose rows sit k depths apart, an SDPA call a row."""
         for g in groups:
             s = self.slot(layer, g.depth)
             self.k[s, :, g.pos] = k[g.index].transpose(0, 1)
@@ -96,22 +95,23 @@ class KVCache:
 
 class SharedKVCache(KVCache):
     """Cross-recurrence sharing by this project's rule (docs/shared-kv.md). The paper's, not here:
-    depth r reads and writes slot r mod s, so (T = 4, s = 2) depths 1 and 3 share slot 1, where a
-    row at depth 1 finds depth 1's keys of a position still in flight (WFD) but depth 3's of a
-    finished one (AR): WFD is not AR under it.
+    depth r reads and writes slot r mod s; at s = 1 (one slot), T = 4, k = 1, a row at depth 0 finds
+    there the depth-1 keys of the position before it, in flight (WFD), where AR finds its depth-3
+    keys: WFD is not AR under it.
     This rule: a row at p >= `prompt_len` and depth d reads depth d's keys at the W = `window`
-    positions p - W < q <= p, and the last depth's (T - 1) before them (the prompt's rows read their
-    own depth). WFD under it is AR under it: the rows in flight, ceil(T / k) <= W (generate checks
-    it), lie within W of p and, deeper, have written depth d; older positions are finished, as in
-    AR. It is another model than the full cache's: before the window it reads depth T - 1 where that
-    reads d.
-    Memory, per looped layer: the last depth at every position (self.k, one looped slot a layer:
-    depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring. A row
-    restarted at p reads p - W + 1..p, and the rows dropped with it wrote up to p + W - 2: those
-    2W - 2 positions need an entry each (T = 3, k = 1, W = 3: rows p and p + 1 dropped; a ring of 3
-    would put p + 1's depth-0 keys where the restart reads p - 2's). Depth T - 1 needs no ring: a
-    row runs R from T - 1 after its draft was checked, never dropped then. On README's demo run
-    (capacity 136, W = 2, float32): 290,816 bytes, `KV 0.3 MiB` (KVCache: 1,114,112 bytes)."""
+    positions p - W < q <= p, and the last slot's (depth T - 1, the last R call's) before them (the
+    prompt's rows read their own depth). WFD under it is AR under it: the rows in flight, ceil(T /
+    k) <= W (generate checks it), lie within W of p and, deeper, have written depth d; older
+    positions are finished, as in AR. It is another model than the full cache's: before the window
+    it reads depth T - 1 where that reads d.
+    Memory, per looped layer: the last slot at every position (self.k, one looped slot a layer:
+    depths=1), and per depth d < T - 1 a ring of max(W, 2W - 2) entries, q at q % ring: a row
+    restarted at p reads [p - W + 1, p], and the rows dropped with it wrote (p, p + W - 2]: 2W - 2
+    positions, an entry each (T = 3, k = 1, W = 3: a ring of 3 would put p + 1's depth-0 keys where
+    the restart reads p - 2's). Depth T - 1 needs no ring: a row runs R from T - 1 after its draft
+    was checked, never dropped then. README's demo run (L = 2 looped layers, 2 kv heads x 64,
+    float32: 1,024 bytes a column of a slot, k and v; capacity 136, W = 2): (2 x 136 + 3 x 2 x 2) x
+    1,024 = 290,816 bytes, `KV 0.3 MiB`; KVCache: 8 x 136 x 1,024 = 1,114,112."""
 
     def __init__(self, model, capacity, num_steps, window, prompt_len):
         super().__init__(model, capacity, num_steps, depths=1)
@@ -122,17 +122,17 @@ class SharedKVCache(KVCache):
 
     def attend(self, groups, layer, q, k, v):
         """KVCache.attend by the rule at a looped layer: the prefill's group (positions 0..n-1)
-        attends causally over its own keys and writes the ring's last `ring` positions only (one
-        write must not name an entry twice); a decode group is one row (the wavefront's rows sit
-        at distinct depths), which reads the last depth's columns 0..p - W, its ring's the rest."""
+        attends causally over its own keys and writes the ring's last `ring` positions (one write
+        names an entry once); a decode group is one row (the wavefront's are at distinct depths):
+        it reads the last slot's columns 0..p - W, its ring's the rest."""
         if layer >= self.n_core:  # the prelude's and coda's slots
             return super().attend(groups, layer, q, k, v)
-        # self.k's looped slots are one a layer (depths=1): layer's holds its last depth, T - 1
-        last_depth, T, ring_of = layer, self.num_steps, lambda depth: depth * self.n_core + layer
+        # self.k's looped slots are one a layer (depths=1): slot `layer` holds depth T - 1
+        last_slot, T, ring_of = layer, self.num_steps, lambda depth: depth * self.n_core + layer
         for g in groups:
             keys, values = k[g.index].transpose(0, 1), v[g.index].transpose(0, 1)
             if g.depth == T - 1:
-                self.k[last_depth, :, g.pos], self.v[last_depth, :, g.pos] = keys, values
+                self.k[last_slot, :, g.pos], self.v[last_slot, :, g.pos] = keys, values
             else:
                 r, kept = ring_of(g.depth), slice(-self.ring, None)
                 self.ring_k[r, :, g.pos[kept] % self.ring] = keys[:, kept]
@@ -143,7 +143,7 @@ class SharedKVCache(KVCache):
         for g in groups:
             assert len(g.index) == 1, "a decode group of the shared cache is one row"
             p = g.max_pos
-            keys, values = self.k[last_depth, :, :p + 1], self.v[last_depth, :, :p + 1]
+            keys, values = self.k[last_slot, :, :p + 1], self.v[last_slot, :, :p + 1]
             if g.depth < T - 1:
                 edge, r = max(p - self.window + 1, 0), ring_of(g.depth)
                 ring = torch.arange(edge, p + 1, device=q.device) % self.ring

@@ -129,10 +129,10 @@ def autoregressive(seq):
 def wavefront(seq, k):
     """The tick: one R call over every row in flight, then one C call that reads the oldest row if
     at depth T (AR's next token: it checks the next row's draft and is committed) and the newest if
-    at depth k, to draft: both, one or neither. A row starts as the one before it reaches depth k,
-    so the rows lie on a diagonal, k depths apart: when the oldest reaches T, the others are at
-    T - k, T - 2k, ... >= 1, ceil(T / k) rows in all. A row commits k ticks after the one before it
-    if its draft is accepted (rate a), else T (the trace above): a*k + (1-a)*T R calls a token."""
+    at depth k, to draft: both, one or neither. A row starts as the one before it reaches depth k:
+    the rows lie on a diagonal, k depths apart (T, T - k, ... >= 1 when the oldest reaches T), at
+    most ceil(T / k). A row commits k ticks after the one before it if its draft is accepted (rate
+    a), else T (the trace): a*k + (1-a)*T R calls a token."""
     # the prefill committed tokens[0], read at the prompt's last position
     rows = [seq.start(len(seq.prompt), seq.tokens[-1])]  # in flight, oldest first
     while True:

@@ -8,6 +8,7 @@ import torch
 
 import models
 import run
+import wfd
 from demo import train as train_demo
 import engine
 
@@ -32,6 +33,13 @@ def test_smoke_training_writes_a_loadable_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def demo():
     return models.load(os.path.join(ROOT, "demo"))
+
+
+def test_shared_kv_is_another_model_on_the_demo(demo):
+    """README: on the demo, shared and full AR agree on the first token only (its run's prompt)."""
+    prompt = demo.tokenizer.encode("def fibonacci(n):").ids
+    full, shared = (wfd.generate(demo, prompt, 4, method="ar", kv=kv) for kv in ("full", "shared"))
+    assert full.tokens[0] == shared.tokens[0] and full.tokens[1] != shared.tokens[1]
 
 
 def test_demo_is_an_ouro_checkpoint_with_its_tokenizer(demo):
