@@ -60,7 +60,7 @@ class KVCache:
 
     def prepare(self, call):
         """A models.Call's rows grouped by depth (R: a group per depth; P, C: one), once a call
-        (models.LoopedLM._layers) for every layer's `attend`: the host reads the call here only."""
+        (models.LoopedLM._layers) for every layer's `attend`: one device-to-host read a call."""
         pos = call.pos.tolist()
         depth = [None] * len(pos) if call.depth is None else call.depth.tolist()  # None: P, C
         groups = {}
@@ -134,10 +134,10 @@ class SharedKVCache(KVCache):
             if g.depth == T - 1:
                 self.k[last_slot, :, g.pos], self.v[last_slot, :, g.pos] = keys, values
             else:
-                r, kept = ring_of(g.depth), slice(-self.ring, None)
-                self.ring_k[r, :, g.pos[kept] % self.ring] = keys[:, kept]
-                self.ring_v[r, :, g.pos[kept] % self.ring] = values[:, kept]
-        if groups[0].max_pos < self.prompt_len:  # the prefill: one group, positions 0..n-1
+                r, tail = ring_of(g.depth), slice(-self.ring, None)  # the last `ring` positions
+                self.ring_k[r, :, g.pos[tail] % self.ring] = keys[:, tail]
+                self.ring_v[r, :, g.pos[tail] % self.ring] = values[:, tail]
+        if groups[0].max_pos < self.prompt_len:  # the prefill (decode rows start at prompt_len)
             return causal_attention(q, k, v)
         y = torch.empty_like(q)
         for g in groups:
